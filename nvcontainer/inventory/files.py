@@ -1,0 +1,85 @@
+"""Driver binaries, IPC endpoints and GSP firmware under the driver root (REFERENCE §2.2–§2.4).
+
+Each lookup resolves inside the root, so a driver root that is a whole distribution (the GPU
+Operator's ``/run/nvidia/driver``) is read as that distribution sees itself. Missing pieces are
+normal (no fabric manager on a workstation) and only logged.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from .. import log
+from ..fs.inroot import resolve_in_root
+from .catalog import BINARIES, FABRICMANAGER_SOCKET, MPS_PIPE_DIRECTORY, PERSISTENCED_SOCKET
+from .model import DriverFile
+
+MAX_FIRMWARE = 256
+
+
+def _host(root: str, path: str) -> str:
+    return os.path.join(root, path.lstrip("/")) if root != "/" else path
+
+
+def _lstat_in_root(root: str, path: str) -> tuple[str, os.stat_result] | None:
+    try:
+        real = resolve_in_root(root, path)
+        return real, os.lstat(_host(root, real))
+    except OSError:
+        return None
+
+
+def binaries(root: str, search_path: str) -> list[DriverFile]:
+    """First executable regular file of each driver binary along ``search_path`` (in-root)."""
+    dirs = [d or "." for d in search_path.split(":")]
+    out = []
+    for group, names in BINARIES.items():
+        for name in names:
+            for d in dirs:
+                if not d.startswith("/"):
+                    continue  # relative PATH entries mean nothing inside another root
+                found = _lstat_in_root(root, os.path.join(d, name))
+                if found and stat.S_ISREG(found[1].st_mode) and found[1].st_mode & 0o111:
+                    out.append(DriverFile(path=found[0], group=group, name=name))
+                    break
+            else:
+                log.warning(f"missing binary {name}")
+    return out
+
+
+def ipcs(root: str, mps_dir: str = MPS_PIPE_DIRECTORY) -> list[DriverFile]:
+    """Persistenced and fabric-manager sockets, and the MPS pipe directory, when present."""
+    wanted = (
+        (PERSISTENCED_SOCKET, "utility", "persistenced", stat.S_ISSOCK, "socket"),
+        (FABRICMANAGER_SOCKET, "utility", "fabricmanager", stat.S_ISSOCK, "socket"),
+        (mps_dir, "compute", "mps", stat.S_ISDIR, "dir"),
+    )
+    out = []
+    for path, group, name, is_type, kind in wanted:
+        found = _lstat_in_root(root, path)
+        if found and is_type(found[1].st_mode):
+            out.append(DriverFile(path=found[0], group=group, name=name, kind=kind))
+        else:
+            log.warning(f"missing ipc {path}")
+    return out
+
+
+def firmwares(root: str, version: str) -> list[DriverFile]:
+    """``/lib/firmware/nvidia/<version>/gsp*.bin``: regular files only, no recursion."""
+    found = _lstat_in_root(root, f"/lib/firmware/nvidia/{version}")
+    if not found or not stat.S_ISDIR(found[1].st_mode):
+        log.warning(f"missing firmware directory /lib/firmware/nvidia/{version}")
+        return []
+    directory = found[0]
+    names = []
+    try:
+        with os.scandir(_host(root, directory)) as it:
+            for entry in it:
+                if len(names) >= MAX_FIRMWARE:
+                    break
+                if entry.name.startswith("gsp") and entry.name.endswith(".bin") and entry.is_file(follow_symlinks=False):
+                    names.append(entry.name)
+    except OSError as exc:
+        log.warning(f"cannot list {directory}: {exc.strerror}")
+    return [DriverFile(path=os.path.join(directory, n), name="gsp") for n in sorted(names)]

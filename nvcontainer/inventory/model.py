@@ -1,0 +1,138 @@
+"""What the host's driver offers, as plain immutable data.
+
+One :class:`Inventory` feeds ``info``, ``list``, the plan builder, the hook and CDI. It holds
+facts only (no policy): which capability a library belongs to is recorded, whether a container
+gets it is decided later by the plan. Paths are as seen *inside* the driver root (``--root``),
+so the same inventory describes where a file lives on the host and where it lands in the
+container. Everything here converts to and from JSON-able dicts so it can be cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+NVIDIA_MAJOR = 195
+CTL_MINOR = 255
+MODESET_MINOR = 254
+
+
+@dataclass(frozen=True)
+class DeviceNode:
+    path: str   # e.g. /dev/nvidia0, the same inside the root and inside the container
+    major: int
+    minor: int
+
+    @property
+    def rule(self) -> str:
+        return f"c {self.major}:{self.minor} rw"
+
+
+@dataclass(frozen=True)
+class MigDevice:
+    parent: int          # index of the parent GPU
+    index: int           # j in the "i:j" token
+    uuid: str            # MIG-... as NVML reports it
+    gi: int              # GPU instance id
+    ci: int              # compute instance id
+    gi_access: str       # /proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<G>/access
+    ci_access: str       # .../gi<G>/ci<C>/access
+    gi_cap: DeviceNode | None = None   # /dev/nvidia-caps/nvidia-capN behind gi_access
+    ci_cap: DeviceNode | None = None
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    minor: int
+    model: str
+    brand: str
+    uuid: str
+    bus_id: str          # %08x:%02x:%02x.0
+    arch: str            # compute capability "major.minor"
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    migs: tuple[MigDevice, ...] = ()
+
+    @property
+    def node(self) -> DeviceNode:
+        return DeviceNode(f"/dev/nvidia{self.minor}", NVIDIA_MAJOR, self.minor)
+
+
+@dataclass(frozen=True)
+class DriverFile:
+    """A file of the driver: a library, a binary, an IPC endpoint or a firmware blob.
+
+    ``path`` is the real file (symlinks resolved inside the root). ``links`` are the symlinks
+    the host keeps next to it that lead to it (SONAME and ``.so`` development links), as
+    ``(link name, link target)`` pairs, so a container can be given the same ones.
+    """
+
+    path: str
+    group: str = ""          # capability group: utility, compute, video, graphics, ngx, display
+    name: str = ""           # the prefix or name that found it (libcuda.so, nvidia-smi, ...)
+    soname: str = ""
+    links: tuple[tuple[str, str], ...] = ()
+    kind: str = ""           # for IPC entries: "socket" or "dir"
+
+
+@dataclass(frozen=True)
+class MigControl:
+    """Files and nodes that the mig-config / mig-monitor options expose."""
+
+    config: str = ""                  # /proc/driver/nvidia/capabilities/mig/config
+    monitor: str = ""
+    config_cap: DeviceNode | None = None
+    monitor_cap: DeviceNode | None = None
+
+
+@dataclass(frozen=True)
+class Inventory:
+    root: str
+    driver_version: str
+    cuda_version: str
+    gpus: tuple[Gpu, ...] = ()
+    ctl_devices: tuple[DeviceNode, ...] = ()   # nvidiactl, nvidia-uvm, nvidia-uvm-tools, nvidia-modeset
+    caps_major: int | None = None
+    imex_major: int | None = None
+    mig: MigControl = field(default_factory=MigControl)
+    mig_minors: tuple[tuple[str, int], ...] = ()   # lines of /proc/driver/nvidia-caps/mig-minors
+    libraries: tuple[DriverFile, ...] = ()
+    libraries32: tuple[DriverFile, ...] = ()
+    binaries: tuple[DriverFile, ...] = ()
+    ipcs: tuple[DriverFile, ...] = ()
+    firmwares: tuple[DriverFile, ...] = ()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Inventory":
+        return _build(cls, data)
+
+
+def _build(cls, data):
+    """Inverse of ``asdict`` for this module's dataclasses (tuples and nested nodes restored)."""
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        kwargs[f.name] = _convert(f.type, value)
+    return cls(**kwargs)
+
+
+_TYPES = {c.__name__: c for c in (DeviceNode, MigDevice, Gpu, DriverFile, MigControl)}
+
+
+def _convert(annotation: str, value):
+    ann = annotation.replace(" ", "")
+    if value is None:
+        return None
+    for name, cls in _TYPES.items():
+        if ann in (name, f"{name}|None"):
+            return _build(cls, value)
+        if ann == f"tuple[{name},...]":
+            return tuple(_build(cls, v) for v in value)
+    if ann.startswith("tuple[tuple["):
+        return tuple(tuple(v) for v in value)
+    return value

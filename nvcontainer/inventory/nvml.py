@@ -1,0 +1,189 @@
+"""NVML facts, gathered in a short-lived child process.
+
+Why a child: NVML is vendor code loaded into our address space; it can hang for seconds when
+persistence mode is off, crash, or start threads. Upstream isolates it in an RPC helper for the
+same reasons. Ours is a plain ``fork()``: the child drops to an unprivileged identity (``--user``,
+default the kernel's overflow ids), loads ``libnvidia-ml.so.1`` from the path the driver root's
+ld cache gave us, asks its questions through pynvml and writes plain JSON to a pipe. The parent
+stays single-threaded (it later forks namespace workers) and bounds the wait with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import time
+
+from ..errors import NvcError, escape
+
+MAX_REPLY = 4 << 20
+MAX_GPUS = 256
+
+
+def query(lib_path: str, user: tuple[int, int] | None, deadline: float = 30.0) -> dict:
+    """Ask NVML about the driver and every GPU; see :func:`_collect` for the shape."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(rfd)
+        code = 0
+        try:
+            reply = _child(lib_path, user)
+        except BaseException as exc:  # anything at all must come back as data, not a traceback
+            reply = {"error": ["initialization", f"nvml error: {escape(exc)}"]}
+            code = 1
+        try:
+            data = json.dumps(reply).encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(wfd, view):]
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    try:
+        data = _read_until(rfd, pid, time.monotonic() + deadline)
+    finally:
+        os.close(rfd)
+    try:
+        reply = json.loads(data)
+    except ValueError:
+        raise NvcError("initialization", "driver rpc error: the NVML helper died without an answer") from None
+    if "error" in reply:
+        raise NvcError(*reply["error"])
+    return reply
+
+
+def _read_until(fd: int, pid: int, end: float) -> bytes:
+    chunks, size = [], 0
+    try:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise NvcError("initialization", "driver rpc error: timed out")
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > MAX_REPLY:
+                raise NvcError("initialization", "driver rpc error: reply too large")
+            chunks.append(chunk)
+    finally:
+        _reap(pid)
+    return b"".join(chunks)
+
+
+def _reap(pid: int) -> None:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def _child(lib_path: str, user: tuple[int, int] | None) -> dict:
+    import ctypes
+
+    # Import everything before dropping privileges: the interpreter's own files may not be
+    # readable by the unprivileged identity (a Python under /root, say).
+    import pynvml
+
+    _die_with_parent()
+    if user is not None and os.geteuid() == 0:
+        uid, gid = user
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    try:
+        # Loading by full path first means pynvml's own CDLL("libnvidia-ml.so.1") is satisfied
+        # by this object (glibc matches loaded objects by SONAME), not by the system search path.
+        ctypes.CDLL(lib_path, mode=ctypes.RTLD_GLOBAL)
+    except OSError as exc:
+        return {"error": ["initialization", f"load library failed: {escape(exc)}"]}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return {"error": ["initialization", f"nvml error: {_nvml_text(exc)}"]}
+    try:
+        return _collect(pynvml)
+    except pynvml.NVMLError as exc:
+        return {"error": ["detection", f"nvml error: {_nvml_text(exc)}"]}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+def _die_with_parent() -> None:
+    import prctl
+
+    prctl.set_pdeathsig(signal.SIGKILL)
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+def _nvml_text(exc) -> str:
+    return escape(str(exc)).lower()
+
+
+def _collect(nv) -> dict:
+    """Plain data: driver version, CUDA version (int, e.g. 12040) and one dict per GPU."""
+    gpus = []
+    count = nv.nvmlDeviceGetCount()
+    for index in range(min(count, MAX_GPUS)):
+        h = nv.nvmlDeviceGetHandleByIndex(index)
+        pci = nv.nvmlDeviceGetPciInfo(h)
+        cc = nv.nvmlDeviceGetCudaComputeCapability(h)
+        gpu = {
+            "index": index,
+            "minor": nv.nvmlDeviceGetMinorNumber(h),
+            "name": _text(nv.nvmlDeviceGetName(h)),
+            "brand": nv.nvmlDeviceGetBrand(h),
+            "uuid": _text(nv.nvmlDeviceGetUUID(h)),
+            "bus": [pci.domain, pci.bus, pci.device],
+            "cc": list(cc),
+            "mig_capable": False,
+            "mig_enabled": False,
+            "migs": [],
+        }
+        try:
+            current, _pending = nv.nvmlDeviceGetMigMode(h)
+            gpu["mig_capable"] = True
+            gpu["mig_enabled"] = current == nv.NVML_DEVICE_MIG_ENABLE
+        except nv.NVMLError:
+            pass
+        if gpu["mig_enabled"]:
+            gpu["migs"] = _migs(nv, h)
+        gpus.append(gpu)
+    return {
+        "driver_version": _text(nv.nvmlSystemGetDriverVersion()),
+        "cuda_version": nv.nvmlSystemGetCudaDriverVersion(),
+        "gpus": gpus,
+    }
+
+
+def _migs(nv, h) -> list[dict]:
+    migs = []
+    for slot in range(min(nv.nvmlDeviceGetMaxMigDeviceCount(h), 64)):
+        try:
+            m = nv.nvmlDeviceGetMigDeviceHandleByIndex(h, slot)
+        except nv.NVMLError:
+            continue
+        migs.append({
+            "index": len(migs),
+            "uuid": _text(nv.nvmlDeviceGetUUID(m)),
+            "gi": nv.nvmlDeviceGetGpuInstanceId(m),
+            "ci": nv.nvmlDeviceGetComputeInstanceId(m),
+        })
+    return migs
+
+
+def _text(value) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

@@ -1,0 +1,159 @@
+import os
+
+import pytest
+
+from nvcontainer import config as cfg
+from nvcontainer.config import Config, load, parse
+from nvcontainer.errors import NvcError
+
+
+def test_defaults():
+    c = Config()
+    assert (c.root, c.ldcache, c.debug, c.user, c.ldconfig) == ("/", "/etc/ld.so.cache", None, None, "@/sbin/ldconfig")
+    assert c.supported_driver_capabilities == ("compat32", "compute", "display", "graphics", "ngx", "utility", "video")
+    assert not c.no_cgroups and not c.disable_require and not c.accept_volume_mounts
+    assert c.accept_envvar_unprivileged
+    assert c.swarm_resource == ()
+    assert c.cuda_compat_mode == "ldconfig"
+    assert c.deadline == 30
+
+
+def test_empty_file_is_defaults():
+    assert parse("") == Config()
+
+
+def test_every_key():
+    c = parse('''
+root = "/run/nvidia/driver"
+ldcache = "/etc/ld.so.cache.alt"
+debug = "/var/log/nvcontainer.log"
+user = "root:video"
+ldconfig = "@/sbin/ldconfig.real"
+no-cgroups = true
+supported-driver-capabilities = "utility, compute,video"
+disable-require = true
+swarm-resource = "DOCKER_RESOURCE_GPU,OTHER_GPU"
+accept-nvidia-visible-devices-envvar-when-unprivileged = false
+accept-nvidia-visible-devices-as-volume-mounts = true
+cuda-compat-mode = "disabled"
+deadline = 2.5
+''')
+    assert c == Config(
+        root="/run/nvidia/driver", ldcache="/etc/ld.so.cache.alt", debug="/var/log/nvcontainer.log",
+        user="root:video", ldconfig="@/sbin/ldconfig.real", no_cgroups=True,
+        supported_driver_capabilities=("compute", "utility", "video"), disable_require=True,
+        swarm_resource=("DOCKER_RESOURCE_GPU", "OTHER_GPU"), accept_envvar_unprivileged=False,
+        accept_volume_mounts=True, cuda_compat_mode="disabled", deadline=2.5,
+    )
+
+
+@pytest.mark.parametrize("value, expected", [
+    ('"all"', ("compat32", "compute", "display", "graphics", "ngx", "utility", "video")),
+    ('["video", "compute", "video"]', ("compute", "video")),
+    ('"compute,all"', ("compat32", "compute", "display", "graphics", "ngx", "utility", "video")),
+    ('""', ()),
+])
+def test_supported_capabilities_forms(value, expected):
+    assert parse(f"supported-driver-capabilities = {value}").supported_driver_capabilities == expected
+
+
+def test_swarm_resource_array():
+    assert parse('swarm-resource = ["A", "B", "A"]').swarm_resource == ("A", "B")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("colour = 1", "config error: config: unknown key 'colour'"),
+    ("[nvidia-container-cli]\nroot = '/'", "config error: config: unknown key 'nvidia-container-cli'"),
+    ("accept-nvidia-visible-devices-envvar-when-unpriviledged = false", "unknown key 'accept-nvidia-visible-devices-envvar-when-unpriviledged'"),
+    ('no-cgroups = "false"', "config error: no-cgroups: expected true or false, got 'false'"),
+    ("disable-require = 1", "config error: disable-require: expected true or false, got 1"),
+    ('root = "relative"', "config error: root: expected an absolute path, got 'relative'"),
+    ("root = 5", "config error: root: expected a path, got 5"),
+    ('ldcache = ""', "config error: ldcache: expected a path, got ''"),
+    ('debug = "log.txt"', "debug: expected an absolute path"),
+    ('user = "a b"', "user: expected UID[:GID] (numbers or names), got 'a b'"),
+    ('user = "1:2:3"', "user: expected UID[:GID]"),
+    ('ldconfig = "/sbin/ldconfig"', "ldconfig: expected '@' followed by an absolute host path"),
+    ('ldconfig = "@sbin/ldconfig"', "ldconfig: expected '@' followed by an absolute host path"),
+    ('supported-driver-capabilities = "compute,none"', "unknown capability 'none'"),
+    ("supported-driver-capabilities = 3", "expected a comma-separated string or an array of strings, got 3"),
+    ("supported-driver-capabilities = [1]", "expected a comma-separated string or an array of strings"),
+    ('swarm-resource = "A;rm -rf"', "swarm-resource: expected environment variable names, got 'A;rm -rf'"),
+    ('cuda-compat-mode = "mount"', "'mount' is not supported: nvcontainer never bind-mounts files from an image"),
+    ('cuda-compat-mode = "hook"', "cuda-compat-mode: expected 'ldconfig' or 'disabled', got 'hook'"),
+    ("deadline = 0", "deadline: expected a number of seconds, more than 0 and at most 3600, got 0"),
+    ("deadline = -1", "deadline: expected a number of seconds"),
+    ("deadline = 1e9", "deadline: expected a number of seconds"),
+    ("deadline = true", "deadline: expected a number of seconds"),
+    ("deadline = nan", "deadline: expected a number of seconds"),
+    ('deadline = "30"', "deadline: expected a number of seconds"),
+    ("root = ", "config error: config: "),
+    ("x = [" * 5000, "config error: config: "),
+])
+def test_errors(text, message):
+    with pytest.raises(NvcError) as info:
+        parse(text)
+    assert message in str(info.value)
+
+
+def test_messages_escape_values():
+    with pytest.raises(NvcError) as info:
+        parse('user = "a\\nb\\u001b"')
+    assert "\n" not in str(info.value) and "\x1b" not in str(info.value)
+
+
+def test_with_overrides():
+    base = parse('root = "/drv"\nuser = "1:1"\nno-cgroups = true')
+    c = base.with_overrides(root="/other", debug="log.txt")
+    assert (c.root, c.debug, c.user, c.ldcache, c.no_cgroups) == ("/other", "log.txt", "1:1", "/etc/ld.so.cache", True)
+    assert base.with_overrides() == base
+    assert base.with_overrides(ldcache="/c", user="nobody").ldcache == "/c"
+    with pytest.raises(NvcError, match="--root: expected an absolute path"):
+        base.with_overrides(root="rel")
+    with pytest.raises(NvcError, match="--user"):
+        base.with_overrides(user="")
+
+
+def test_load_explicit_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('disable-require = true\n')
+    assert load(str(path)).disable_require
+
+
+def test_load_explicit_missing_file_is_an_error(tmp_path):
+    with pytest.raises(NvcError, match="cannot open .*missing.toml: No such file or directory"):
+        load(str(tmp_path / "missing.toml"))
+
+
+def test_load_missing_default_is_defaults(tmp_path, monkeypatch):
+    monkeypatch.setattr(cfg, "DEFAULT_PATH", str(tmp_path / "absent.toml"))
+    assert load() == Config()
+
+
+def test_load_default_file(tmp_path, monkeypatch):
+    path = tmp_path / "config.toml"
+    path.write_text('swarm-resource = "DOCKER_RESOURCE_GPU"\n')
+    monkeypatch.setattr(cfg, "DEFAULT_PATH", str(path))
+    assert load().swarm_resource == ("DOCKER_RESOURCE_GPU",)
+
+
+def test_load_error_names_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("bogus = 1\n")
+    with pytest.raises(NvcError, match=f"{path}: unknown key 'bogus'"):
+        load(str(path))
+
+
+def test_load_rejects_non_regular_and_oversized(tmp_path):
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(NvcError, match="not a regular file"):
+        load(str(fifo))
+    big = tmp_path / "big.toml"
+    big.write_text("# " + "x" * cfg.CONFIG_CAP)
+    with pytest.raises(NvcError, match="larger than"):
+        load(str(big))
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"root = \"\xff\"")
+    with pytest.raises(NvcError, match="not UTF-8"):
+        load(str(bad))

@@ -1,0 +1,203 @@
+"""The driver inventory against fake GPU machines: what it finds must be what the machine has."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from nvcontainer.errors import NvcError
+from nvcontainer.inventory.build import build
+from tests.fixtures.fakegpu import FakeSpec
+
+
+def inventory_of(machine, **kwargs):
+    return build(str(machine.root), proc=str(machine.proc), **kwargs)
+
+
+def test_two_gpus_match_the_machine(fake_machine):
+    truth = fake_machine.description()
+    inv = inventory_of(fake_machine)
+    assert inv.driver_version == truth["driver_version"]
+    assert inv.cuda_version == truth["cuda_version"]
+    assert [(g.index, g.minor, g.model, g.brand, g.uuid, g.bus_id, g.arch) for g in inv.gpus] == [
+        (g["index"], g["minor"], g["name"], g["brand"], g["uuid"], g["bus_id"], g["arch"]) for g in truth["gpus"]
+    ]
+
+
+@pytest.mark.parametrize("count", [1, 8])
+def test_gpu_counts(fake_machine_factory, count):
+    machine = fake_machine_factory(FakeSpec(gpus=count))
+    inv = inventory_of(machine)
+    assert len(inv.gpus) == count
+    assert [g.uuid for g in inv.gpus] == [g["uuid"] for g in machine.description()["gpus"]]
+    assert len({g.bus_id for g in inv.gpus}) == count
+
+
+def test_libraries_are_the_driver_version_and_skip_decoys(fake_machine):
+    truth = fake_machine.description()
+    inv = inventory_of(fake_machine)
+    assert {lib.path for lib in inv.libraries} == {lib["path"] for lib in truth["libraries"]}
+    assert {lib.path for lib in inv.libraries32} == {lib["path"] for lib in truth["libraries32"]}
+    decoys = {d["path"] for d in truth["decoys"]}
+    assert decoys, "the fixture must carry decoys for this test to mean anything"
+    chosen = {lib.path for lib in inv.libraries + inv.libraries32}
+    assert not decoys & chosen
+    for lib in inv.libraries + inv.libraries32:
+        assert lib.path.endswith(truth["driver_version"])
+
+
+def test_library_sonames_groups_and_host_links(fake_machine):
+    truth = {lib["path"]: lib for lib in fake_machine.description()["libraries"]}
+    inv = inventory_of(fake_machine)
+    for lib in inv.libraries:
+        expected = truth[lib.path]
+        assert lib.soname == expected["soname"]
+        assert lib.group == expected["group"]
+        assert lib.name == expected["prefix"]
+        assert {name for name, _ in lib.links} == {name for name, _ in expected["links"]}
+
+
+def test_32bit_libraries_live_in_the_32bit_directory(fake_machine):
+    inv = inventory_of(fake_machine)
+    assert inv.libraries32, "gcc -m32 works here, so the fixture has 32-bit libraries"
+    assert all("/i386-linux-gnu/" in lib.path for lib in inv.libraries32)
+    assert all("/x86_64-linux-gnu/" in lib.path for lib in inv.libraries)
+
+
+def test_wrong_tls_abi_is_refused(fake_machine_factory, tmp_path):
+    """libnvidia-tls must carry the 2.3.99 ABI note: the fixture's real one does."""
+    machine = fake_machine_factory()
+    inv = inventory_of(machine)
+    assert any(lib.name == "libnvidia-tls.so" for lib in inv.libraries)
+    from nvcontainer.inventory.libraries import _check
+
+    cuda = next(lib for lib in inv.libraries if lib.name == "libcuda.so")
+    # libcuda has no ABI note, so presenting it as libnvidia-tls must fail the check
+    assert _check(str(machine.root), cuda.path, "libnvidia-tls.so", "graphics", inv.driver_version) is None
+
+
+def test_binaries_ipcs_firmware(fake_machine):
+    truth = fake_machine.description()
+    inv = inventory_of(fake_machine)
+    assert [b.path for b in inv.binaries] == [b["path"] for b in truth["binaries"]]
+    assert [i.path for i in inv.ipcs] == [i["path"] for i in truth["ipcs"]]
+    assert [f.path for f in inv.firmwares] == [f["path"] for f in truth["firmwares"]]
+
+
+def test_device_nodes_come_from_proc_devices(fake_machine):
+    inv = inventory_of(fake_machine)
+    nodes = {n.path: (n.major, n.minor) for n in inv.ctl_devices}
+    assert nodes["/dev/nvidiactl"] == (195, 255)
+    assert nodes["/dev/nvidia-uvm"] == (fake_machine.uvm_major, 0)
+    assert nodes["/dev/nvidia-uvm-tools"] == (fake_machine.uvm_major, 1)
+    assert nodes["/dev/nvidia-modeset"] == (195, 254)
+
+
+def test_mig_devices_and_their_caps(fake_machine_factory):
+    machine = fake_machine_factory(FakeSpec(gpus=2, mig=True))
+    truth = machine.description()
+    inv = inventory_of(machine)
+    gpu0 = inv.gpus[0]
+    assert gpu0.mig_enabled
+    expected = truth["gpus"][0]["migs"]
+    assert [(m.uuid, m.gi, m.ci) for m in gpu0.migs] == [(m["uuid"], m["gi"], m["ci"]) for m in expected]
+    for mig, want in zip(gpu0.migs, expected):
+        assert mig.gi_access == want["gi_access"]
+        assert mig.ci_access == want["ci_access"]
+        assert (mig.gi_cap.major, mig.gi_cap.minor) == (want["gi_cap"]["major"], want["gi_cap"]["minor"])
+        assert (mig.ci_cap.major, mig.ci_cap.minor) == (want["ci_cap"]["major"], want["ci_cap"]["minor"])
+    assert inv.mig.config_cap is not None and inv.mig.monitor_cap is not None
+    assert not inv.gpus[1].migs
+
+
+@pytest.mark.parametrize("piece", ["persistenced", "fabricmanager", "mps", "firmware", "uvm", "compat32"])
+def test_missing_optional_pieces_are_not_errors(fake_machine_factory, piece):
+    machine = fake_machine_factory(FakeSpec(missing=frozenset({piece})))
+    inv = inventory_of(machine)
+    ipc_names = {i.name for i in inv.ipcs}
+    if piece in ("persistenced", "fabricmanager", "mps"):
+        assert piece not in ipc_names
+    elif piece == "firmware":
+        assert inv.firmwares == ()
+    elif piece == "uvm":
+        assert not any("uvm" in n.path for n in inv.ctl_devices)
+    elif piece == "compat32":
+        assert inv.libraries32 == ()
+    assert inv.libraries
+
+
+def test_missing_library_prefix_is_left_out(fake_machine_factory):
+    machine = fake_machine_factory(FakeSpec(missing=frozenset({"libnvidia-ngx.so"})))
+    inv = inventory_of(machine)
+    assert "libnvidia-ngx.so" not in {lib.name for lib in inv.libraries}
+    assert "libcuda.so" in {lib.name for lib in inv.libraries}
+
+
+def test_no_nvml_is_a_load_library_error(fake_machine_factory):
+    machine = fake_machine_factory(FakeSpec(missing=frozenset({"nvml"})))
+    with pytest.raises(NvcError) as err:
+        inventory_of(machine)
+    assert err.value.category == "initialization"
+    assert err.value.detail.startswith("load library failed: libnvidia-ml.so.1")
+
+
+def test_driver_not_loaded(fake_machine_factory):
+    machine = fake_machine_factory(FakeSpec(missing=frozenset({"driver"})))
+    with pytest.raises(NvcError) as err:
+        inventory_of(machine)
+    assert err.value.category == "initialization"
+    assert "driver not loaded" in err.value.detail
+
+
+def test_kernel_and_library_version_mismatch(fake_machine, tmp_path):
+    proc = tmp_path / "proc"
+    (proc / "driver/nvidia").mkdir(parents=True)
+    (proc / "driver/nvidia/version").write_text(
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  555.42.02  Tue May 14 2024\n")
+    (proc / "devices").write_text((fake_machine.proc / "devices").read_text())
+    with pytest.raises(NvcError) as err:
+        build(str(fake_machine.root), proc=str(proc))
+    assert "version mismatch" in err.value.detail
+    assert "555.42.02" in err.value.detail and "550.54.14" in err.value.detail
+
+
+def test_corrupt_ldcache_is_a_clean_error(fake_machine, tmp_path):
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    real = (fake_machine.root / "etc/ld.so.cache").read_bytes()
+    (root / "etc/ld.so.cache").write_bytes(real[: len(real) // 2])
+    with pytest.raises(NvcError) as err:
+        build(str(root), proc=str(fake_machine.proc))
+    assert err.value.category == "ldcache"
+    assert err.value.detail.startswith(f"{root}/etc/ld.so.cache: ")
+
+
+def test_compat_format_cache_gives_the_same_libraries(fake_machine):
+    new = inventory_of(fake_machine)
+    compat = inventory_of(fake_machine, ldcache_path="/etc/ld.so.cache.compat")
+    assert [lib.path for lib in compat.libraries] == [lib.path for lib in new.libraries]
+    assert [lib.path for lib in compat.libraries32] == [lib.path for lib in new.libraries32]
+
+
+def test_wrong_device_node_numbers_are_refused(fake_machine, tmp_path):
+    """A /dev/nvidiactl with other numbers must not be trusted (it would be bind-mounted)."""
+    from nvcontainer.inventory import devices
+    from nvcontainer.inventory.model import DeviceNode
+
+    root = tmp_path / "root"
+    (root / "dev").mkdir(parents=True)
+    os.mknod(root / "dev/nvidiactl", 0o666 | 0o020000, os.makedev(1, 3))
+    with pytest.raises(NvcError) as err:
+        devices.check_node(str(root), DeviceNode("/dev/nvidiactl", 195, 255))
+    assert err.value.detail == "invalid device node: /dev/nvidiactl: expected 195:255, found 1:3"
+
+
+def test_inventory_round_trips_through_json(fake_machine_factory):
+    import json
+
+    from nvcontainer.inventory.model import Inventory
+
+    inv = inventory_of(fake_machine_factory(FakeSpec(mig=True)))
+    again = Inventory.from_dict(json.loads(json.dumps(inv.to_dict())))
+    assert again == inv
