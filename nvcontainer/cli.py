@@ -18,32 +18,35 @@ PROG = "nvcontainer"
 
 
 class _Context:
-    def __init__(self, root: str, ldcache: str, user: str | None):
-        self.root = root
-        self.ldcache = ldcache
-        self.user = user
+    def __init__(self, config):
+        self.config = config
 
     def inventory(self):
         from .identity import parse_user
         from .inventory.build import build
 
-        return build(self.root, self.ldcache, parse_user(self.user))
+        c = self.config
+        return build(c.root, c.ldcache, parse_user(c.user), deadline=c.deadline)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-r", "--root", default="/", show_default=True, metavar="PATH", help="Driver root: where the driver's files, ld cache and device nodes are looked up.")
-@click.option("-l", "--ldcache", default="/etc/ld.so.cache", show_default=True, metavar="FILE", help="The ld cache, relative to --root.")
+@click.option("-r", "--root", metavar="PATH", help="Driver root: where the driver's files, ld cache and device nodes are looked up. [default: /]")
+@click.option("-l", "--ldcache", metavar="FILE", help="The ld cache, relative to --root. [default: /etc/ld.so.cache]")
 @click.option("-d", "--debug", metavar="FILE", help="Append a full trace to FILE (quiet otherwise).")
 @click.option("-u", "--user", is_flag=False, flag_value="", default=None, metavar="UID[:GID]",
               help="Identity that loads NVML; without a value, the caller's. Default: the kernel's overflow ids.")
+@click.option("--config", "config_path", metavar="FILE", help="Configuration file. [default: /etc/nvcontainer/config.toml if present]")
 @click.version_option(__version__, "-V", "--version", prog_name=PROG, message="%(prog)s %(version)s")
 @click.pass_context
-def cli(ctx: click.Context, root: str, ldcache: str, debug: str | None, user: str | None) -> None:
+def cli(ctx: click.Context, root, ldcache, debug, user, config_path) -> None:
     """Inject a host's NVIDIA driver and GPUs into containers."""
-    if debug:
-        log.open_debug(debug)
+    from . import config as configuration
+
+    cfg = configuration.load(config_path).with_overrides(root=root, ldcache=ldcache, debug=debug, user=user)
+    if cfg.debug:
+        log.open_debug(cfg.debug)
         log.info(f"running {PROG} {__version__}: {' '.join(sys.argv[1:])}")
-    ctx.obj = _Context(root, ldcache, user)
+    ctx.obj = _Context(cfg)
 
 
 @cli.command()
@@ -97,6 +100,63 @@ def list_(obj: _Context, devices, libraries, binaries, ipcs, firmwares, compat32
     sel = select(inv, tokens)
     sections = views.list_sections(inv, sel, opts)
     sys.stdout.write(views.list_json(sections) if as_json else views.list_text(sections))
+
+
+@cli.command()
+@click.option("-p", "--pid", type=int, metavar="PID", help="Container init PID (supervised mode).")
+@click.option("-d", "--device", "devices", multiple=True, metavar="ID", help="GPUs or MIG devices (repeatable, comma lists); none: the driver only.")
+@click.option("-r", "--require", "requirements", multiple=True, metavar="EXPR", help="A requirement every selected GPU must meet (repeatable, ANDed).")
+@click.option("-l", "--ldconfig", metavar="@PATH", help="Host ldconfig to run, as @/absolute/path. [default: @/sbin/ldconfig]")
+@click.option("-c", "--compute", is_flag=True, help="Compute libraries and binaries.")
+@click.option("-u", "--utility", is_flag=True, help="Utility libraries and binaries (NVML, nvidia-smi).")
+@click.option("-v", "--video", is_flag=True, help="Video libraries (brings the compute libraries).")
+@click.option("-g", "--graphics", is_flag=True, help="Graphics libraries.")
+@click.option("-D", "--display", is_flag=True, help="Display: graphics plus the modeset device.")
+@click.option("-n", "--ngx", is_flag=True, help="NGX library.")
+@click.option("--compat32", is_flag=True, help="Also the 32-bit libraries.")
+@click.option("--mig-config", metavar="ID", help="MIG config capability (only 'all').")
+@click.option("--mig-monitor", metavar="ID", help="MIG monitor capability (only 'all').")
+@click.option("--imex-channel", "imex", multiple=True, metavar="CHANNEL", help="IMEX channel ids.")
+@click.option("--no-cgroups", is_flag=True, help="Leave the devices cgroup alone.")
+@click.option("--no-devbind", is_flag=True, help="Do not bind-mount device nodes (cgroup rules are still added).")
+@click.option("--no-persistenced", is_flag=True)
+@click.option("--no-fabricmanager", is_flag=True)
+@click.option("--no-gsp-firmware", is_flag=True)
+@click.option("--cuda-compat-mode", type=click.Choice(["ldconfig", "disabled"]), help="CUDA forward compatibility from the image's /usr/local/cuda/compat.")
+@click.option("--no-cntlibs", is_flag=True, help="Same as --cuda-compat-mode=disabled.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: the plan as JSON (docs/plan.md).")
+@click.argument("rootfs")
+@click.pass_obj
+def configure(obj: _Context, pid, devices, requirements, ldconfig, compute, utility, video, graphics, display, ngx,
+              compat32, mig_config, mig_monitor, imex, no_cgroups, no_devbind, no_persistenced, no_fabricmanager,
+              no_gsp_firmware, cuda_compat_mode, no_cntlibs, dry_run, as_json, rootfs) -> None:
+    """Inject the driver and the selected GPUs into ROOTFS of container PID."""
+    from .configure import check_rootfs, options_from_config, plan_for
+    from .request import request_from_options
+
+    check_rootfs(rootfs)
+    if pid is not None and not 1 < pid < (1 << 22):
+        raise NvcError("input", f"invalid pid: {pid}")
+    if ldconfig is not None and not (ldconfig.startswith("@/") and len(ldconfig) > 2):
+        raise NvcError("input", f"--ldconfig: {escape(ldconfig)}: must be @ and an absolute host path "
+                       "(an image's own ldconfig is never run)")
+    flags = {"compute": compute, "utility": utility, "video": video, "graphics": graphics,
+             "display": display, "ngx": ngx, "compat32": compat32}
+    request = request_from_options(
+        devices=devices, capabilities=[name for name, on in flags.items() if on], requirements=requirements,
+        mig_config=mig_config, mig_monitor=mig_monitor, imex_channels=imex,
+    )
+    options = options_from_config(
+        obj.config, no_cgroups=no_cgroups, no_devbind=no_devbind, no_persistenced=no_persistenced,
+        no_fabricmanager=no_fabricmanager, no_gsp_firmware=no_gsp_firmware, ldconfig=ldconfig,
+        cuda_compat_mode="disabled" if no_cntlibs else cuda_compat_mode,
+    )
+    plan = plan_for(request, obj.config, rootfs, pid, options, inventory=obj.inventory())
+    if dry_run:
+        sys.stdout.write(plan.dumps() if as_json else plan.text())
+        return
+    raise NvcError("configure", "applying a plan is not implemented yet: use --dry-run")
 
 
 def parse_imex_channels(values) -> tuple[int, ...]:

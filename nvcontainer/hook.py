@@ -1,0 +1,118 @@
+"""``nvcontainer-hook``: the OCI prestart hook.
+
+The runtime runs it with the container's state on stdin, in the runtime's environment, while
+the container is created but not started: every millisecond here delays every container start,
+so this module imports only what the request needs (no click, no pynvml in this process, no
+pyelftools). It reads the bundle's ``config.json``, decides from the image's ``NVIDIA_*``
+variables, and runs the same code path as ``nvcontainer configure``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+PROG = "nvcontainer-hook"
+
+USAGE = f"""usage: {PROG} [--root PATH] [--ldcache FILE] [--debug FILE] [--user UID[:GID]] [--config FILE]
+                        [--dry-run] prestart|poststart|poststop
+
+Reads the OCI state on stdin and injects the GPUs the container's NVIDIA_VISIBLE_DEVICES asks for.
+--dry-run prints the plan as JSON ({{"gpu": false}} when the container asks for no GPU).
+"""
+
+_VALUED = {"--root": "root", "--ldcache": "ldcache", "--debug": "debug", "--user": "user", "--config": "config"}
+_SHORT = {"-r": "--root", "-l": "--ldcache", "-d": "--debug", "-u": "--user"}
+
+
+class _Usage(Exception):
+    pass
+
+
+def parse_args(argv: list[str]) -> tuple[dict, bool, str]:
+    """Global options (before the stage word, like the CLI), ``--dry-run``, and the stage."""
+    opts: dict = {}
+    dry_run = False
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        name, eq, value = arg.partition("=")
+        name = _SHORT.get(name, name)
+        if name in _VALUED:
+            if not eq:
+                if not args:
+                    raise _Usage(f"{name} needs a value")
+                value = args.pop(0)
+            opts[_VALUED[name]] = value
+        elif arg == "--dry-run":
+            dry_run = True
+        elif arg in ("-h", "--help"):
+            raise _Usage("")
+        elif arg.startswith("-"):
+            raise _Usage(f"unknown option {arg}")
+        else:
+            if args:
+                raise _Usage(f"unexpected argument after {arg}")
+            return opts, dry_run, arg
+    raise _Usage("missing stage (prestart, poststart or poststop)")
+
+
+def prestart(opts: dict, dry_run: bool) -> int:
+    from . import config as configuration
+    from . import log, oci
+    from .configure import options_from_config, plan_for
+    from .request import request_from_env
+
+    cfg = configuration.load(opts.get("config")).with_overrides(
+        root=opts.get("root"), ldcache=opts.get("ldcache"), debug=opts.get("debug"), user=opts.get("user"))
+    if cfg.debug:
+        log.open_debug(cfg.debug)
+    state = oci.read_state(sys.stdin.fileno())
+    spec = oci.read_spec(state.bundle)
+    log.info(f"prestart: pid {state.pid}, bundle {state.bundle}")
+    request = request_from_env(spec.environ(), cfg, privileged=spec.privileged, mounts=spec.mounts)
+    rootfs = state.root or spec.rootfs
+    plan = plan_for(request, cfg, rootfs, state.pid, options_from_config(cfg))
+    if dry_run:
+        sys.stdout.write(plan.dumps())
+        return 0
+    if not plan.gpu:
+        log.info("not a GPU container")
+        return 0
+    from .errors import NvcError
+
+    raise NvcError("configure", "applying a plan is not implemented yet: use --dry-run")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import NvcError
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        opts, dry_run, stage = parse_args(argv)
+    except _Usage as exc:
+        if str(exc):
+            sys.stderr.write(f"{PROG}: input error: {exc}\n")
+            return 2
+        sys.stdout.write(USAGE)
+        return 0
+    if stage in ("poststart", "poststop"):
+        return 0
+    if stage != "prestart":
+        from .errors import escape
+
+        sys.stderr.write(f"{PROG}: input error: unknown stage {escape(stage)} (prestart, poststart or poststop)\n")
+        return 2
+    from . import log
+
+    try:
+        return prestart(opts, dry_run)
+    except NvcError as exc:
+        log.error(exc.line(PROG))
+        sys.stderr.write(exc.line(PROG) + "\n")
+        return 1
+    finally:
+        log.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
