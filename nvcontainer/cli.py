@@ -156,7 +156,11 @@ def configure(obj: _Context, pid, devices, requirements, ldconfig, compute, util
     if dry_run:
         sys.stdout.write(plan.dumps() if as_json else plan.text())
         return
-    raise NvcError("configure", "applying a plan is not implemented yet: use --dry-run")
+    if pid is None:
+        raise NvcError("input", "configure needs --pid PID of the container (or --dry-run)")
+    from .apply.execute import apply
+
+    apply(plan, deadline=obj.config.deadline)
 
 
 def parse_imex_channels(values) -> tuple[int, ...]:

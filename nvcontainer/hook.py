@@ -78,9 +78,11 @@ def prestart(opts: dict, dry_run: bool) -> int:
     if not plan.gpu:
         log.info("not a GPU container")
         return 0
-    from .errors import NvcError
+    from .apply.execute import apply
 
-    raise NvcError("configure", "applying a plan is not implemented yet: use --dry-run")
+    apply(plan, deadline=cfg.deadline)
+    log.info("prestart done")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,304 @@
+"""Performing a plan's filesystem actions: sources prepared on the host, targets in the container.
+
+Two halves, one per side of the namespace boundary:
+
+* :func:`prepare` runs in the host process, in the host's mount namespace. It opens every
+  source (``O_PATH|O_NOFOLLOW``), checks its type (and ``st_rdev`` for devices), and turns it
+  into a *detached* mount with its final flags already set (``open_tree`` + ``mount_setattr``);
+  tmpfs payloads are built detached, filled, and made read-only. Nothing is visible anywhere yet.
+* :func:`place` runs in a forked worker that has entered the container's mount namespace. It
+  resolves each target inside the rootfs (never following the image's symlinks out of it),
+  creates placeholders relative to verified directory fds, and attaches the detached mounts
+  onto target fds (``move_mount``). No path string from the rootfs ever reaches a mount call.
+  If anything fails, what this run attached is detached again and placeholders it created are
+  removed, and the error names the step and the path.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+
+from ..errors import NvcError, escape
+from ..fs import inroot, mounts, syscalls
+from ..plan.model import Plan
+
+_ATTRS = {
+    "ro": syscalls.MOUNT_ATTR_RDONLY,
+    "nosuid": syscalls.MOUNT_ATTR_NOSUID,
+    "nodev": syscalls.MOUNT_ATTR_NODEV,
+    "noexec": syscalls.MOUNT_ATTR_NOEXEC,
+}
+_KIND_CHECK = {"file": stat.S_ISREG, "dir": stat.S_ISDIR, "socket": stat.S_ISSOCK, "device": stat.S_ISCHR}
+# Filesystems a /proc/... target may be on: procfs itself, or a tmpfs standing in for
+# /proc/driver where no driver is loaded (the test machines).
+_PROC_TARGET_FS = (syscalls.PROC_SUPER_MAGIC, syscalls.TMPFS_MAGIC)
+
+
+def attrs_of(options) -> int:
+    value = 0
+    for opt in options:
+        value |= _ATTRS[opt]
+    return value
+
+
+def prepare(plan: Plan) -> tuple[list[dict], list[int]]:
+    """Detached mounts for every mount, device and tmpfs of the plan, in application order.
+
+    Returns the actions for :func:`place` (JSON-able, holding fd numbers) and the fds the
+    worker must inherit. The caller closes the fds.
+    """
+    actions: list[dict] = []
+    fds: list[int] = []
+    try:
+        for t in plan.tmpfs:
+            fd = _tmpfs(t)
+            fds.append(fd)
+            actions.append({"op": "mount", "fd": fd, "target": t.target, "kind": "dir", "step": "tmpfs"})
+        for m in plan.mounts:
+            fd = _clone(m.source, m.kind, attrs_of(m.options))
+            fds.append(fd)
+            actions.append({"op": "mount", "fd": fd, "target": m.target, "kind": m.kind, "step": "mount"})
+        if plan.devbind:
+            for d in plan.devices:
+                fd = _clone(d.source, "device", attrs_of(("ro", "nosuid", "noexec")), rdev=os.makedev(d.major, d.minor))
+                fds.append(fd)
+                actions.append({"op": "mount", "fd": fd, "target": d.path, "kind": "file", "step": "device"})
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    actions += [{"op": "symlink", "target": s.link, "link": s.target} for s in plan.symlinks]
+    actions += [{"op": "file", "target": f.path, "content": f.content, "mode": f.mode} for f in plan.files]
+    return actions, fds
+
+
+def _clone(source: str, kind: str, attrs: int, rdev: int | None = None) -> int:
+    try:
+        fd = os.open(source, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise NvcError("mount", f"stat failed: {escape(source)}: {exc.strerror.lower()}") from None
+    try:
+        st = os.fstat(fd)
+        if not _KIND_CHECK[kind](st.st_mode):
+            raise NvcError("mount", f"unexpected source file mode: {escape(source)}")
+        if rdev is not None and st.st_rdev != rdev:
+            raise NvcError("mount", f"invalid device node: {escape(source)}: expected "
+                           f"{os.major(rdev)}:{os.minor(rdev)}, found {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
+        try:
+            return mounts.clone_mount(fd, attrs)
+        except OSError as exc:
+            raise NvcError("mount", f"cannot clone {escape(source)}: {exc.strerror.lower()}") from None
+    finally:
+        os.close(fd)
+
+
+def _tmpfs(t) -> int:
+    """Build the tmpfs detached: directories and files first, read-only before anyone sees it."""
+    base = attrs_of(o for o in t.options if o != "ro")
+    try:
+        fd = mounts.tmpfs_detached({"mode": f"{t.mode:04o}", "size": "4m", "nr_inodes": "4096"}, base)
+    except OSError as exc:
+        raise NvcError("mount", f"cannot create tmpfs for {escape(t.target)}: {exc.strerror.lower()}") from None
+    try:
+        for d in t.dirs:
+            os.mkdir(d, 0o555, dir_fd=fd)
+        for f in t.files:
+            rel = f.path[len(t.target) + 1:]
+            parent, _, name = rel.rpartition("/")
+            pfd = os.open(parent or ".", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            try:
+                wfd = inroot.create_file_at(pfd, name, f.mode)
+            finally:
+                os.close(pfd)
+            try:
+                _write_all(wfd, f.content.encode())
+            finally:
+                os.close(wfd)
+        if "ro" in t.options:
+            mounts.set_attrs(fd, base | syscalls.MOUNT_ATTR_RDONLY)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+# --- the worker side, inside the container's mount namespace ---------------------------------
+
+
+class _Undo:
+    def __init__(self):
+        self.mounted: list[int] = []                 # target fds, for detach
+        self.created: list[tuple[int, str, bool]] = []  # (dir fd, name, is_dir)
+        self.fds: list[int] = []
+        self.owner: tuple[int, int] = (0, 0)
+
+    def created_entry(self, dfd: int, name: str, is_dir: bool) -> None:
+        self.created.append((dfd, name, is_dir))
+        self.chown(dfd, name)
+
+    def chown(self, dfd: int, name: str) -> None:
+        if self.owner != (0, 0):
+            os.chown(name, *self.owner, dir_fd=dfd, follow_symlinks=False)
+
+    def rollback(self) -> None:
+        for fd in reversed(self.mounted):
+            try:
+                mounts.detach(fd)
+            except OSError:
+                pass
+        for dfd, name, is_dir in reversed(self.created):
+            try:
+                if is_dir:
+                    os.rmdir(name, dir_fd=dfd)
+                elif os.stat(name, dir_fd=dfd, follow_symlinks=False).st_size == 0:
+                    os.unlink(name, dir_fd=dfd)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def place(mntns_fd: int, rootfs: str, actions: list[dict], owner: tuple[int, int] = (0, 0)) -> dict:
+    """Worker body: enter the container's mount namespace and perform ``actions`` in order.
+
+    Entries we create (placeholders, links, files) belong to the container's ``owner``, so a
+    user-namespaced container sees them as its own, as upstream's fsuid switch gives.
+    """
+    from .ns import setns_mount
+
+    setns_mount(mntns_fd)
+    # Re-open the rootfs after entering: an fd opened before would walk the host's mounts.
+    try:
+        root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise NvcError("mount", f"cannot open rootfs {escape(rootfs)}: {exc.strerror.lower()}") from None
+    undo = _Undo()
+    undo.owner = tuple(owner)
+    undo.fds.append(root)
+    warnings: list[str] = []
+    done = 0
+    try:
+        for action in actions:
+            op = action["op"]
+            try:
+                if op == "mount":
+                    _mount(root, action, undo)
+                elif op == "symlink":
+                    _symlink(root, action, undo, warnings)
+                elif op == "file":
+                    _file(root, action, undo)
+            except OSError as exc:
+                raise NvcError("mount", f"{action.get('step', op)} {escape(action['target'])}: "
+                               f"{(exc.strerror or str(exc)).lower()}") from None
+            done += 1
+    except BaseException:
+        undo.rollback()
+        raise
+    finally:
+        undo.close()
+    return {"done": done, "warnings": warnings}
+
+
+def _parent(root: int, target: str, undo: _Undo) -> tuple[int, str]:
+    parent, _, name = target.rpartition("/")
+    if not name or name in (".", ".."):
+        raise OSError(22, "invalid target name")
+    dfd = inroot.mkdirs_in_root(root, parent or "/")
+    undo.fds.append(dfd)
+    return dfd, name
+
+
+def _mount(root: int, action: dict, undo: _Undo) -> None:
+    target, kind = action["target"], action["kind"]
+    dfd, name = _parent(root, target, undo)
+    tfd = _placeholder(dfd, name, kind, undo)
+    undo.fds.append(tfd)
+    if target.startswith("/proc/") and syscalls.fstatfs_type(tfd) not in _PROC_TARGET_FS:
+        raise NvcError("mount", f"{action['step']} {escape(target)}: not on procfs: refusing")
+    entry = mounts.mount_info_of(tfd)
+    if entry.shared:
+        # A mount under a shared mount would propagate to its peers, possibly the host's.
+        raise NvcError("mount", f"{action['step']} {escape(target)}: {escape(entry.mount_point)} has shared "
+                       "propagation: refusing to mount where it would leak to the host")
+    mounts.attach(action["fd"], tfd)
+    undo.mounted.append(tfd)
+
+
+def _placeholder(dfd: int, name: str, kind: str, undo: _Undo) -> int:
+    """An O_PATH fd of the mount point, created if missing, of the type the mount needs.
+
+    An existing entry of the wrong type is replaced only when it is not a directory (the image
+    may ship its own copy of a driver file, or a symlink in its place: toolkit#371); we unlink
+    the entry itself, never what it points to.
+    """
+    want_dir = kind == "dir"
+    st = inroot.inspect_at(dfd, name)
+    if st is not None and stat.S_ISDIR(st.st_mode) != want_dir:
+        if stat.S_ISDIR(st.st_mode):
+            raise OSError(21, "a directory is in the way")
+        if want_dir:
+            raise OSError(20, "a non-directory is in the way")
+    if st is not None and not want_dir and not stat.S_ISREG(st.st_mode):
+        os.unlink(name, dir_fd=dfd)
+        st = None
+    if st is None:
+        if want_dir:
+            os.mkdir(name, 0o755, dir_fd=dfd)
+        else:
+            os.close(inroot.create_file_at(dfd, name, 0o644))
+        undo.created_entry(dfd, name, want_dir)
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECTORY if want_dir else 0), dir_fd=dfd)
+    st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode) != want_dir or (not want_dir and not stat.S_ISREG(st.st_mode)):
+        os.close(fd)
+        raise OSError(17, "changed while being prepared")
+    return fd
+
+
+def _symlink(root: int, action: dict, undo: _Undo, warnings: list[str]) -> None:
+    dfd, name = _parent(root, action["target"], undo)
+    st = inroot.inspect_at(dfd, name)
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode):
+            if os.readlink(name, dir_fd=dfd) == action["link"]:
+                return
+            os.unlink(name, dir_fd=dfd)
+        else:
+            warnings.append(f"{action['target']} exists and is not a symlink: left as it is")
+            return
+    inroot.symlink_at(dfd, name, action["link"])
+    undo.chown(dfd, name)
+
+
+def _file(root: int, action: dict, undo: _Undo) -> None:
+    """Write a small file atomically: a fresh temporary in the same verified directory, then a
+    rename over the name (rename replaces a symlink entry itself, never its target)."""
+    dfd, name = _parent(root, action["target"], undo)
+    tmp = f".nvcontainer-{secrets.token_hex(8)}"
+    fd = inroot.create_file_at(dfd, tmp, action["mode"])
+    try:
+        _write_all(fd, action["content"].encode())
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp, dir_fd=dfd)
+        raise
+    os.close(fd)
+    try:
+        undo.chown(dfd, tmp)
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except OSError:
+        os.unlink(tmp, dir_fd=dfd)
+        raise

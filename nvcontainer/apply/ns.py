@@ -1,0 +1,68 @@
+"""Namespace system calls that Python 3.11's ``os`` module lacks (``os.setns`` and
+``os.unshare`` arrived in 3.12), plus ``pivot_root``.
+
+These change the calling process's view of the file system, so they are only ever called in a
+forked worker (see :mod:`.worker`), never in the hook's own process: ``setns(CLONE_NEWNS)`` also
+replaces root and cwd, after which every path the parent opened by name would silently resolve
+in the container.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+from ..fs.syscalls import CLONE_NEWNS, unshare
+
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+# pivot_root predates the unified syscall table, so its number differs per architecture.
+_NR_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+
+_libc = None
+
+__all__ = [
+    "CLONE_NEWNS",
+    "CLONE_NEWUTS",
+    "CLONE_NEWIPC",
+    "CLONE_NEWPID",
+    "CLONE_NEWNET",
+    "setns_mount",
+    "unshare",
+    "pivot_root",
+]
+
+
+def _lib() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL("libc.so.6", use_errno=True)
+        lib.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.setns.restype = ctypes.c_int
+        lib.syscall.restype = ctypes.c_long
+        _libc = lib
+    return _libc
+
+
+def _check(ret: int, what: str) -> None:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def setns_mount(fd: int) -> None:
+    """Enter the mount namespace ``fd`` refers to. The kernel refuses (EINVAL) when the caller
+    has more than one thread, and checks that ``fd`` really is a mount namespace."""
+    _check(_lib().setns(fd, CLONE_NEWNS), "setns")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    nr = _NR_PIVOT_ROOT.get(os.uname().machine)
+    if nr is None:
+        raise OSError(errno.ENOSYS, f"pivot_root: unsupported architecture {os.uname().machine}")
+    ret = _lib().syscall(ctypes.c_long(nr), os.fsencode(new_root), os.fsencode(put_old))
+    _check(ret, "pivot_root")

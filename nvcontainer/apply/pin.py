@@ -1,0 +1,71 @@
+"""Holding on to the container while we work on it.
+
+A PID is only a number: the container's init can exit and the number can be reused by a host
+process between our reading of ``/proc/PID`` and our use of it. So the host process pins the
+process with a pidfd, opens its mount namespace, and then checks the process is still the same
+one (alive, same start time). A namespace fd keeps the namespace alive on its own, so a worker
+holding it can never be redirected to another process's mounts. A container that shares the
+host's mount namespace is refused: "injecting" into it would mount onto the host itself.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+from dataclasses import dataclass
+
+from ..errors import NvcError
+
+
+@dataclass
+class Pinned:
+    pid: int
+    pidfd: int
+    mntns_fd: int
+
+    def alive(self) -> bool:
+        return not select.select([self.pidfd], [], [], 0)[0]
+
+    def close(self) -> None:
+        for fd in (self.mntns_fd, self.pidfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def start_time(pid: int) -> int | None:
+    """Field 22 of ``/proc/PID/stat`` (after the parenthesised, possibly hostile, comm)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read(4096)
+    except OSError:
+        return None
+    rest = data[data.rfind(b")") + 2:].split()
+    try:
+        return int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def pin(pid: int) -> Pinned:
+    before = start_time(pid)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError as exc:
+        raise NvcError("container", f"container process {pid} is gone: {exc.strerror.lower()}") from None
+    try:
+        mntns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        os.close(pidfd)
+        raise NvcError("container", f"cannot open /proc/{pid}/ns/mnt: {exc.strerror.lower()}") from None
+    pinned = Pinned(pid, pidfd, mntns)
+    if before is None or start_time(pid) != before or not pinned.alive():
+        pinned.close()
+        raise NvcError("container", f"container process {pid} exited during configuration")
+    own = os.stat("/proc/self/ns/mnt")
+    theirs = os.fstat(mntns)
+    if (own.st_dev, own.st_ino) == (theirs.st_dev, theirs.st_ino):
+        pinned.close()
+        raise NvcError("container", f"process {pid} shares the host's mount namespace: refusing to mount into it")
+    return pinned
