@@ -36,9 +36,11 @@ class _Context:
 @click.option("-u", "--user", is_flag=False, flag_value="", default=None, metavar="UID[:GID]",
               help="Identity that loads NVML; without a value, the caller's. Default: the kernel's overflow ids.")
 @click.option("--config", "config_path", metavar="FILE", help="Configuration file. [default: /etc/nvcontainer/config.toml if present]")
+@click.option("-k", "--load-kmods", is_flag=True, hidden=True, help="Accepted for nvidia-container-cli compatibility; modules are not loaded.")
+@click.option("-n", "--no-pivot", is_flag=True, hidden=True, help="Accepted for nvidia-container-cli compatibility; the ldconfig sandbox needs no pivot choice.")
 @click.version_option(__version__, "-V", "--version", prog_name=PROG, message="%(prog)s %(version)s")
 @click.pass_context
-def cli(ctx: click.Context, root, ldcache, debug, user, config_path) -> None:
+def cli(ctx: click.Context, root, ldcache, debug, user, config_path, load_kmods, no_pivot) -> None:
     """Inject a host's NVIDIA driver and GPUs into containers."""
     from . import config as configuration
 
@@ -46,6 +48,8 @@ def cli(ctx: click.Context, root, ldcache, debug, user, config_path) -> None:
     if cfg.debug:
         log.open_debug(cfg.debug)
         log.info(f"running {PROG} {__version__}: {' '.join(sys.argv[1:])}")
+    if load_kmods:
+        log.warning("--load-kmods ignored: nvcontainer does not load kernel modules")
     ctx.obj = _Context(cfg)
 
 
@@ -176,24 +180,30 @@ def parse_imex_channels(values) -> tuple[int, ...]:
     return tuple(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     try:
-        cli.main(args=argv, prog_name=PROG, standalone_mode=False)
+        cli.main(args=argv, prog_name=prog, standalone_mode=False)
     except NvcError as exc:
-        log.error(exc.line(PROG))
-        sys.stderr.write(exc.line(PROG) + "\n")
+        log.error(exc.line(prog))
+        sys.stderr.write(exc.line(prog) + "\n")
         return 1
     except click.exceptions.Abort:
-        sys.stderr.write(f"{PROG}: interrupted\n")
+        sys.stderr.write(f"{prog}: interrupted\n")
         return 1
     except click.ClickException as exc:
-        sys.stderr.write(f"{PROG}: input error: {escape(exc.format_message())}\n")
+        sys.stderr.write(f"{prog}: input error: {escape(exc.format_message())}\n")
         return 1
     except KeyboardInterrupt:
         return 130
     finally:
         log.close()
     return 0
+
+
+def main_nvidia_container_cli() -> int:
+    """The ``nvidia-container-cli`` drop-in: the same program under upstream's name, for engines
+    that run that name with upstream's argv (containerd's ``ctr --gpus``)."""
+    return main(prog="nvidia-container-cli")
 
 
 if __name__ == "__main__":

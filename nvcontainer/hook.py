@@ -116,5 +116,29 @@ def main(argv: list[str] | None = None) -> int:
         log.close()
 
 
+def main_nvidia_container_runtime_hook(argv: list[str] | None = None) -> int:
+    """The ``nvidia-container-runtime-hook`` drop-in: what ``docker run --gpus`` looks up in
+    PATH and runs as ``nvidia-container-runtime-hook prestart``. Upstream's single-dash flags
+    (``-config FILE``, ``-debug``, ``-version``) are mapped onto ours."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    mapped: list[str] = []
+    while argv:
+        arg = argv.pop(0)
+        if arg in ("-version", "--version"):
+            from . import __version__
+
+            sys.stdout.write(f"NVIDIA Container Runtime Hook version {__version__} (nvcontainer)\n")
+            return 0
+        if arg in ("-debug", "--debug"):
+            mapped += ["--debug", "/dev/stderr"]
+        elif arg in ("-config", "--config") and argv:
+            mapped += ["--config", argv.pop(0)]
+        elif arg.startswith("-config="):
+            mapped += ["--config", arg.split("=", 1)[1]]
+        else:
+            mapped.append(arg)
+    return main(mapped)
+
+
 if __name__ == "__main__":
     sys.exit(main())

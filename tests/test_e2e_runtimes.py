@@ -1,0 +1,151 @@
+"""The product's main job, end to end: real runtimes start busybox containers with our hook.
+
+Pass signals (no driver behind the fake nodes): opening an injected ``/dev/nvidia0`` gives
+ENXIO when the devices cgroup allows it and EPERM when it does not.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+
+import pytest
+
+from tests.fixtures import runtime
+from tests.fixtures.fakegpu import FakeSpec
+
+ENXIO = "No such device or address"
+EPERM = "Operation not permitted"
+
+CHECKS = r"""
+echo "OPEN0:$(cat /dev/nvidia0 2>&1 | head -1)"
+echo "NODES:$(ls /dev | grep nvidia | sort | tr '\n' ' ')"
+rm -f /tmp/n1; mknod /tmp/n1 c 195 1 && echo "OPEN1:$(cat /tmp/n1 2>&1 | head -1)"
+echo "LDCONFIG:$(ldconfig -p | grep -oE 'lib(cuda|nvidia-ml)\.so\.1 ' | sort | tr -d ' ' | tr '\n' ' ')"
+echo "GPUS:$(ls /proc/driver/nvidia/gpus 2>&1 | tr '\n' ' ')"
+echo "PARAMS:$(grep ModifyDeviceFiles /proc/driver/nvidia/params)"
+grep -E ' /usr/lib/x86_64-linux-gnu/libcuda\.so\.550\.54\.14 ' /proc/self/mountinfo | sed 's/^/MOUNT:/'
+echo "CUDALINK:$(readlink /usr/lib/x86_64-linux-gnu/libcuda.so.1)"
+echo "DONE:ok"
+"""
+
+
+def parse(stdout: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in stdout.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.isupper():
+            out.setdefault(key, []).append(value.strip())
+    return out
+
+
+def host_mounts() -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return sorted(" ".join(line.split()[3:5]) for line in f)
+
+
+@pytest.fixture(scope="module")
+def machine(fake_machine_factory):
+    return fake_machine_factory(FakeSpec(gpus=2))
+
+
+def need(tool):
+    if shutil.which(tool) is None:
+        pytest.skip(f"{tool} is not installed")
+
+
+def assert_gpu0_container(res, machine):
+    assert res.returncode == 0, res.stderr
+    got = parse(res.stdout)
+    assert got["DONE"] == ["ok"], res.stdout
+    assert got["OPEN0"] == [f"cat: can't open '/dev/nvidia0': {ENXIO}"]
+    nodes = got["NODES"][0].split()
+    assert "nvidia0" in nodes and "nvidiactl" in nodes and "nvidia1" not in nodes
+    assert got["OPEN1"] == [f"cat: can't open '/tmp/n1': {EPERM}"]
+    assert got["LDCONFIG"] == ["libcuda.so.1 libnvidia-ml.so.1"]
+    bus0 = machine.description()["gpus"][0]["proc_bus_id"]
+    assert got["GPUS"] == [bus0]
+    assert got["PARAMS"] == ["ModifyDeviceFiles: 0"]
+    (mount,) = got["MOUNT"]
+    options = mount.split()[5].split(",")
+    assert {"ro", "nosuid", "nodev"} <= set(options)
+    assert got["CUDALINK"] == ["libcuda.so.550.54.14"]
+
+
+@pytest.mark.parametrize("runtime_name", ["runc", "crun"])
+def test_gpu0_cgroup_v1(machine, tmp_path, runtime_name):
+    need(runtime_name)
+    before = host_mounts()
+    bundle = runtime.make_bundle(tmp_path, machine, ["NVIDIA_VISIBLE_DEVICES=0"], CHECKS)
+    res = runtime.run_container(machine, bundle, runtime=runtime_name)
+    assert_gpu0_container(res, machine)
+    assert host_mounts() == before
+
+
+def test_gpu0_runc_cgroup_v2(machine, tmp_path):
+    need("runc")
+    before = host_mounts()
+    bundle = runtime.make_bundle(tmp_path, machine, ["NVIDIA_VISIBLE_DEVICES=0"], CHECKS)
+    res = runtime.run_container(machine, bundle, cgroup2=True)
+    assert_gpu0_container(res, machine)
+    assert host_mounts() == before
+
+
+@pytest.mark.parametrize("env", [[], ["NVIDIA_VISIBLE_DEVICES=void"], ["NVIDIA_VISIBLE_DEVICES="]])
+def test_not_a_gpu_container_is_untouched(machine, tmp_path, env):
+    need("runc")
+    bundle = runtime.make_bundle(tmp_path, machine, env, CHECKS)
+    res = runtime.run_container(machine, bundle)
+    assert res.returncode == 0, res.stderr
+    got = parse(res.stdout)
+    assert got["NODES"] == [""]
+    assert got["LDCONFIG"] == [""]
+    assert "MOUNT" not in got
+    assert not (bundle / "rootfs/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14").exists()
+
+
+@pytest.mark.parametrize("env,expected", [
+    (["NVIDIA_VISIBLE_DEVICES=7"], "nvcontainer-hook: device error: 7: unknown device"),
+    (["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,warp-drive"],
+     "nvcontainer-hook: input error: unsupported capabilities found in"),
+    (["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_REQUIRE_CUDA=cuda>=13.0"],
+     "nvcontainer-hook: requirement error: unsatisfied condition: cuda>=13.0"),
+])
+def test_bad_requests_refuse_to_start(machine, tmp_path, env, expected):
+    need("runc")
+    bundle = runtime.make_bundle(tmp_path, machine, env, "echo STARTED")
+    res = runtime.run_container(machine, bundle)
+    assert res.returncode != 0
+    assert "STARTED" not in res.stdout
+    assert expected in res.stderr
+    assert not (bundle / "rootfs/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14").exists()
+
+
+def test_repeated_starts_of_one_bundle(machine, tmp_path):
+    need("runc")
+    bundle = runtime.make_bundle(tmp_path, machine, ["NVIDIA_VISIBLE_DEVICES=0"], CHECKS)
+    for i in range(3):
+        res = runtime.run_container(machine, bundle, name=f"{bundle.name}-{i}")
+        assert_gpu0_container(res, machine)
+
+
+def test_twenty_containers_at_once_get_their_own_gpu(fake_machine_factory, tmp_path):
+    need("runc")
+    machine = fake_machine_factory(FakeSpec(gpus=8))
+    script = 'for n in /dev/nvidia[0-9]*; do echo "NODE:$n:$(cat $n 2>&1 | head -1)"; done'
+    bundles = [runtime.make_bundle(tmp_path, machine, [f"NVIDIA_VISIBLE_DEVICES={i % 8}"], script)
+               for i in range(20)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=20) as pool:
+        results = list(pool.map(lambda b: runtime.run_container(machine, b, timeout=300), bundles))
+    for i, res in enumerate(results):
+        assert res.returncode == 0, res.stderr
+        assert parse(res.stdout)["NODE"] == [f"/dev/nvidia{i % 8}:cat: can't open '/dev/nvidia{i % 8}': {ENXIO}"]
+
+
+def test_podman_with_hooks_dir(machine, tmp_path):
+    need("podman")
+    need("crun")
+    before = host_mounts()
+    res = runtime.run_podman(machine, tmp_path, ["NVIDIA_VISIBLE_DEVICES=0"], CHECKS)
+    assert_gpu0_container(res, machine)
+    assert host_mounts() == before
