@@ -7,8 +7,6 @@ it brings the graphics set plus the modeset node, as upstream does.
 
 from __future__ import annotations
 
-CAPABILITIES = ("compat32", "compute", "display", "graphics", "ngx", "utility", "video")
-
 LIBRARY_PREFIXES: dict[str, tuple[str, ...]] = {
     "utility": (
         "libnvidia-ml.so",
