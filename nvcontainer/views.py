@@ -111,7 +111,7 @@ def list_sections(inv: Inventory, sel: Selection, opts: ListOptions) -> dict[str
                 mig.append("/dev/nvidia-caps")
                 prefix = f"gpu{g.minor}/"
                 mig += [f"/dev/nvidia-caps/nvidia-cap{minor}" for name, minor in inv.mig_minors if name.startswith(prefix)]
-    binaries = [b.path for b in inv.binaries if _wanted(b, opts)] if opts.binaries else []
+    binaries = [b.path for b in inv.binaries] if opts.binaries else []
     libraries = [lib.path for lib in inv.libraries] if opts.libraries else []
     libraries32 = [lib.path for lib in inv.libraries32] if opts.libraries and opts.compat32 else []
     ipcs = [i.path for i in inv.ipcs if _wanted(i, opts)] if opts.ipcs else []
@@ -128,10 +128,11 @@ def list_sections(inv: Inventory, sel: Selection, opts: ListOptions) -> dict[str
     }
 
 
-def _wanted(item, opts: ListOptions) -> bool:
-    if opts.no_persistenced and item.name in ("persistenced", "nvidia-persistenced"):
+def _wanted(ipc, opts: ListOptions) -> bool:
+    """``--no-persistenced`` / ``--no-fabricmanager`` drop the sockets, as in ``configure``."""
+    if opts.no_persistenced and ipc.name == "persistenced":
         return False
-    if opts.no_fabricmanager and item.name in ("fabricmanager", "nv-fabricmanager"):
+    if opts.no_fabricmanager and ipc.name == "fabricmanager":
         return False
     return True
 
