@@ -8,6 +8,7 @@ shape so scripts and log scrapers see one format.
 from __future__ import annotations
 
 import sys
+import time
 
 import click
 
@@ -136,6 +137,7 @@ def configure(obj: _Context, pid, devices, requirements, ldconfig, compute, util
               compat32, mig_config, mig_monitor, imex, no_cgroups, no_devbind, no_persistenced, no_fabricmanager,
               no_gsp_firmware, cuda_compat_mode, no_cntlibs, dry_run, as_json, rootfs) -> None:
     """Inject the driver and the selected GPUs into ROOTFS of container PID."""
+    started = time.monotonic()  # one deadline for the whole run: NVML, mounts, cgroup, ldconfig
     from .configure import check_rootfs, options_from_config, plan_for
     from .request import request_from_options
 
@@ -164,7 +166,7 @@ def configure(obj: _Context, pid, devices, requirements, ldconfig, compute, util
         raise NvcError("input", "configure needs --pid PID of the container (or --dry-run)")
     from .apply.execute import apply
 
-    apply(plan, deadline=obj.config.deadline)
+    apply(plan, deadline=obj.config.deadline - (time.monotonic() - started))
 
 
 def parse_imex_channels(values) -> tuple[int, ...]:

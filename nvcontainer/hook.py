@@ -10,6 +10,7 @@ variables, and runs the same code path as ``nvcontainer configure``.
 from __future__ import annotations
 
 import sys
+import time
 
 PROG = "nvcontainer-hook"
 
@@ -62,6 +63,7 @@ def prestart(opts: dict, dry_run: bool) -> int:
     from .configure import options_from_config, plan_for
     from .request import request_from_env
 
+    started = time.monotonic()  # one deadline for the whole run: NVML, mounts, cgroup, ldconfig
     cfg = configuration.load(opts.get("config")).with_overrides(
         root=opts.get("root"), ldcache=opts.get("ldcache"), debug=opts.get("debug"), user=opts.get("user"))
     if cfg.debug:
@@ -80,7 +82,7 @@ def prestart(opts: dict, dry_run: bool) -> int:
         return 0
     from .apply.execute import apply
 
-    apply(plan, deadline=cfg.deadline)
+    apply(plan, deadline=cfg.deadline - (time.monotonic() - started))
     log.info("prestart done")
     return 0
 
