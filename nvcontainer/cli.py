@@ -22,12 +22,10 @@ class _Context:
     def __init__(self, config):
         self.config = config
 
-    def inventory(self):
-        from .identity import parse_user
-        from .inventory.build import build
+    def inventory(self, refresh: bool = False):
+        from .inventory.cache import cached_inventory
 
-        c = self.config
-        return build(c.root, c.ldcache, parse_user(c.user), deadline=c.deadline)
+        return cached_inventory(self.config, refresh=refresh)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -57,14 +55,15 @@ def cli(ctx: click.Context, root, ldcache, debug, user, config_path, load_kmods,
 @cli.command()
 @click.option("--csv", "as_csv", is_flag=True, help="Comma-separated output, as nvidia-container-cli.")
 @click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.option("--refresh", is_flag=True, help="Ask NVML and rescan the driver's files now, and rewrite the inventory cache.")
 @click.pass_obj
-def info(obj: _Context, as_csv: bool, as_json: bool) -> None:
+def info(obj: _Context, as_csv: bool, as_json: bool, refresh: bool) -> None:
     """Driver and GPU facts."""
     from . import views
 
     if as_csv and as_json:
         raise click.UsageError("--csv and --json are exclusive")
-    inv = obj.inventory()
+    inv = obj.inventory(refresh=refresh)
     render = views.info_json if as_json else views.info_csv if as_csv else views.info_text
     sys.stdout.write(render(inv))
 
@@ -167,6 +166,85 @@ def configure(obj: _Context, pid, devices, requirements, ldconfig, compute, util
     from .apply.execute import apply
 
     apply(plan, deadline=obj.config.deadline - (time.monotonic() - started))
+
+
+CDI_DIRS_HELP = "A CDI spec directory, lowest priority first (repeatable). [default: /etc/cdi, /var/run/cdi]"
+
+
+@cli.group()
+def cdi() -> None:
+    """Container Device Interface specs: generate, list, check."""
+
+
+@cdi.command("generate")
+@click.option("-o", "--output", metavar="FILE", help="Write the spec to FILE, atomically. [default: standard output]")
+@click.option("--format", "fmt", type=click.Choice(["yaml", "json"]),
+              help="Spec format. [default: from FILE's extension, else yaml]")
+@click.option("--device-name-strategy", "strategies", multiple=True, type=click.Choice(["index", "uuid", "type-index"]),
+              help="How devices are named: 0 and 0:1, GPU-/MIG-<uuid>, gpu0 and mig0:1 (repeatable). [default: index, uuid]")
+@click.option("--vendor", default="nvidia.com", show_default=True, help="Vendor part of the device names.")
+@click.option("--class", "cls", default="gpu", show_default=True, help="Class part of the device names.")
+@click.option("--no-all-device", is_flag=True, help="No 'all' device.")
+@click.option("--hook-path", metavar="PATH", help="nvcontainer-hook as the runtime will run it. [default: the installed one]")
+@click.pass_obj
+def cdi_generate(obj: _Context, output, fmt, strategies, vendor, cls, no_all_device, hook_path) -> None:
+    """A CDI spec for the driver and every GPU and MIG device."""
+    from .cdi import commands, generate, store
+
+    opts = generate.Options(
+        hook_path=hook_path or commands.default_hook_path(), vendor=vendor, cls=cls,
+        strategies=tuple(dict.fromkeys(strategies)) or generate.DEFAULT_STRATEGIES, all_device=not no_all_device,
+        ldconfig=obj.config.ldconfig.removeprefix("@"),
+    )
+    text = commands.generate_spec(obj.inventory(), opts, store.format_for(output, fmt), output)
+    if text is not None:
+        sys.stdout.write(text)
+
+
+@cdi.command("list")
+@click.option("--spec-dir", "spec_dirs", multiple=True, metavar="DIR", help=CDI_DIRS_HELP)
+def cdi_list(spec_dirs) -> None:
+    """The device names the spec directories offer."""
+    from .cdi import commands, store
+
+    lines, problems = commands.list_names(spec_dirs or store.DEFAULT_DIRS)
+    for problem in problems:
+        log.warning(problem)
+        sys.stderr.write(f"{PROG}: warning: {problem}\n")
+    sys.stdout.write("".join(line + "\n" for line in lines))
+
+
+@cdi.command("check")
+@click.option("--spec-dir", "spec_dirs", multiple=True, metavar="DIR", help=CDI_DIRS_HELP)
+@click.argument("files", nargs=-1, metavar="[FILE]...")
+def cdi_check(spec_dirs, files) -> None:
+    """Whether specs are stale for the running driver (exit status 1 if any is)."""
+    from .cdi import commands, store
+
+    dirs = spec_dirs or store.DEFAULT_DIRS
+    verdicts, problems = commands.check_specs(dirs, files)
+    if not verdicts and not problems:
+        sys.stdout.write(f"no CDI specs in {', '.join(escape(d) for d in dirs)}\n")
+    sys.stdout.write("".join(line + "\n" for v in verdicts for line in v.lines()))
+    stale = [v for v in verdicts if v.stale]
+    if problems or stale:
+        raise NvcError("cdi", "; ".join([*problems, *(f"{escape(v.path)} is stale" for v in stale)]))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.option("--spec-dir", "spec_dirs", multiple=True, metavar="DIR", help=CDI_DIRS_HELP)
+@click.pass_obj
+def doctor(obj: _Context, as_json: bool, spec_dirs) -> None:
+    """Check this host's driver, devices and engine set-up; a verdict and a fix for each."""
+    from . import doctor as checks
+    from .cdi import store
+
+    report = checks.examine(obj.config, spec_dirs or store.DEFAULT_DIRS)
+    sys.stdout.write(checks.render_json(report) if as_json else checks.render_text(report))
+    failed = [c for c in report if c.verdict == checks.FAIL]
+    if failed:
+        raise NvcError("doctor", f"{len(failed)} check(s) failed: {', '.join(c.name for c in failed)}")
 
 
 def parse_imex_channels(values) -> tuple[int, ...]:

@@ -24,6 +24,8 @@ accept-nvidia-visible-devices-envvar-when-unprivileged     true                 
 accept-nvidia-visible-devices-as-volume-mounts             false                 honour /dev/null device mounts
 cuda-compat-mode                                           "ldconfig"            or "disabled"
 deadline                                                   30                    seconds for a whole hook run
+cache-dir                                                  "/run/nvcontainer"    root-only directory of the per-boot
+                                                                                 driver inventory cache (absolute)
 
 ``cuda-compat-mode = "ldconfig"`` makes the image's ``/usr/local/cuda/compat`` libraries visible
 with an ``/etc/ld.so.conf.d`` drop-in inside the container, when they are newer than the host
@@ -37,7 +39,6 @@ import errno
 import os
 import re
 import stat
-import tomllib
 from dataclasses import dataclass, replace
 
 from .errors import NvcError, escape
@@ -67,6 +68,7 @@ class Config:
     accept_volume_mounts: bool = False
     cuda_compat_mode: str = "ldconfig"
     deadline: float = 30
+    cache_dir: str = "/run/nvcontainer"
 
     def with_overrides(self, *, root: str | None = None, ldcache: str | None = None,
                        debug: str | None = None, user: str | None = None) -> "Config":
@@ -177,10 +179,13 @@ _KEYS = {
     "accept-nvidia-visible-devices-as-volume-mounts": ("accept_volume_mounts", _bool),
     "cuda-compat-mode": ("cuda_compat_mode", _compat_mode),
     "deadline": ("deadline", _deadline),
+    "cache-dir": ("cache_dir", _absolute),
 }
 
 
 def parse(text: str, source: str = "config") -> Config:
+    import tomllib   # here, not at the top: most hosts have no file, and the hook starts faster
+
     try:
         data = tomllib.loads(text)
     except (tomllib.TOMLDecodeError, RecursionError) as exc:

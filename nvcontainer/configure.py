@@ -69,10 +69,9 @@ def plan_for(request: Request, config: Config, rootfs: str, pid: int | None,
             log.warning(w)
         return Plan(gpu=False, rootfs=rootfs, pid=pid)
     if inventory is None:
-        from .identity import parse_user
-        from .inventory.build import build
+        from .inventory.cache import cached_inventory
 
-        inventory = build(config.root, config.ldcache, parse_user(config.user), deadline=config.deadline)
+        inventory = cached_inventory(config)
     fd = open_rootfs(rootfs, pid)
     try:
         container = read_container(fd)

@@ -9,6 +9,7 @@ variables, and runs the same code path as ``nvcontainer configure``.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 
@@ -19,7 +20,11 @@ USAGE = f"""usage: {PROG} [--root PATH] [--ldcache FILE] [--debug FILE] [--user 
 
 Reads the OCI state on stdin and injects the GPUs the container's NVIDIA_VISIBLE_DEVICES asks for.
 --dry-run prints the plan as JSON ({{"gpu": false}} when the container asks for no GPU).
+
+CDI hooks (named in specs from `nvcontainer cdi generate`; see their --help):
+       {PROG} create-symlinks|update-ldcache|disable-device-node-modification ...
 """
+CDI_HOOKS = ("create-symlinks", "update-ldcache", "disable-device-node-modification")
 
 _VALUED = {"--root": "root", "--ldcache": "ldcache", "--debug": "debug", "--user": "user", "--config": "config"}
 _SHORT = {"-r": "--root", "-l": "--ldcache", "-d": "--debug", "-u": "--user"}
@@ -60,7 +65,6 @@ def parse_args(argv: list[str]) -> tuple[dict, bool, str]:
 def prestart(opts: dict, dry_run: bool) -> int:
     from . import config as configuration
     from . import log, oci
-    from .configure import options_from_config, plan_for
     from .request import request_from_env
 
     started = time.monotonic()  # one deadline for the whole run: NVML, mounts, cgroup, ldconfig
@@ -72,13 +76,18 @@ def prestart(opts: dict, dry_run: bool) -> int:
     spec = oci.read_spec(state.bundle)
     log.info(f"prestart: pid {state.pid}, bundle {state.bundle}")
     request = request_from_env(spec.environ(), cfg, privileged=spec.privileged, mounts=spec.mounts)
+    if not request.gpu and not dry_run:
+        # most containers on a shared node: done before the planning modules are even imported
+        for w in request.warnings:
+            log.warning(w)
+        log.info("not a GPU container")
+        return 0
+    from .configure import options_from_config, plan_for
+
     rootfs = state.root or spec.rootfs
     plan = plan_for(request, cfg, rootfs, state.pid, options_from_config(cfg))
     if dry_run:
         sys.stdout.write(plan.dumps())
-        return 0
-    if not plan.gpu:
-        log.info("not a GPU container")
         return 0
     from .apply.execute import apply
 
@@ -88,9 +97,16 @@ def prestart(opts: dict, dry_run: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A hook run is short and leaves no cycles worth collecting, yet the collector would walk the
+    # tens of thousands of objects the imports create, again and again (about 5% of a run).
+    gc.disable()
     from .errors import NvcError
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in CDI_HOOKS:
+        from .cdi_hooks import main as cdi_hook
+
+        return cdi_hook(argv)
     try:
         opts, dry_run, stage = parse_args(argv)
     except _Usage as exc:

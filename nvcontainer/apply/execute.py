@@ -4,6 +4,10 @@ Order: pin the container; prepare every source on the host; one worker in the co
 mount namespace places mounts, device nodes, symlinks and files; the devices cgroup gets the
 plan's rules (from this host process, through the cgroup filesystem or bpf(2)); ldconfig runs
 in its own sandbox. A failure at any step stops the run with one line naming the step.
+
+Only the pin step and the cgroup step look the container up by its PID; the others hold fds.
+The cgroup step re-checks the pin after reading ``/proc/PID``: a container that died and whose
+number went to a host process in between would otherwise hand that process its devices.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def apply(plan: Plan, *, deadline: float = 30.0, mountinfo_pid: int | None = Non
             os.close(fd)
         fds = []
         if plan.cgroups:
-            _cgroups(plan, mountinfo_pid)
+            _cgroups(plan, pinned, mountinfo_pid)
         if plan.ldconfig is not None:
             from .ldconfig import run_ldconfig
 
@@ -65,11 +69,21 @@ def _left(end: float, step: str) -> float:
     return left
 
 
-def _cgroups(plan: Plan, mountinfo_pid: int | None) -> None:
+def _cgroups(plan: Plan, pinned, mountinfo_pid: int | None) -> None:
     from ..cgroups import apply_rules, in_user_namespace, parse_rule
 
-    if in_user_namespace(plan.pid):
+    userns = in_user_namespace(plan.pid)
+    _still_there(pinned)
+    if userns:
         log.warning("container runs in a user namespace: devices cgroup left alone (use --no-cgroups)")
         return
-    result = apply_rules(plan.pid, [parse_rule(r) for r in plan.cgroup_rules], mountinfo_pid=mountinfo_pid)
+    result = apply_rules(plan.pid, [parse_rule(r) for r in plan.cgroup_rules], mountinfo_pid=mountinfo_pid,
+                         still_ours=lambda: _still_there(pinned))
     log.info(f"devices cgroup: {result}")
+
+
+def _still_there(pinned) -> None:
+    """After a read of ``/proc/PID``: what was read belonged to the pinned process only if it is
+    still alive now (its number cannot have been reused while it lives)."""
+    if not pinned.alive():
+        raise NvcError("container", f"container process {pinned.pid} exited during configuration")

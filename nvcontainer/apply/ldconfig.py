@@ -10,6 +10,10 @@ those are attacker-controlled, so every step below removes one thing a hostile i
 * it sees only the rootfs (pivot_root into a private bind mount of it), with nosuid/nodev, a
   fresh procfs of its own PID namespace (so ``/proc/1/root`` is the sandbox itself, not the
   host), and ``/sys`` and ``/dev`` covered by empty read-only tmpfs;
+* it may write only to the rootfs's own filesystem: every mount below it is read-only in the
+  sandbox, so a host directory bind-mounted into the container (a volume over ``/etc`` or a
+  library directory) never gets a cache or a SONAME link written into it (SECURITY.md §6.7;
+  ldconfig only warns about links it cannot make, and fails cleanly on a read-only ``/etc``);
 * it has no network (new, empty net namespace), its own IPC/UTS namespaces, and is init of its
   own PID namespace, so killing it kills everything it could have started;
 * it runs as the given uid/gid with no capabilities at all (bounding set cleared,
@@ -19,6 +23,12 @@ those are attacker-controlled, so every step below removes one thing a hostile i
 
 There is no seccomp filter: the Python seccomp bindings are not in the project's environment.
 The mount, pivot and capability drops above are done without them.
+
+Runs on one rootfs are serialised with an exclusive ``flock`` on the rootfs directory, held by
+the worker (outside the sandbox) until ldconfig exits: glibc's ldconfig writes its cache
+through the fixed temporary name ``/etc/ld.so.cache~`` and replaces SONAME links with
+unlink+symlink, so two containers started at once from one rootfs would otherwise break each
+other's run. Only containers sharing that rootfs can hold the lock up, and the deadline bounds it.
 """
 
 from __future__ import annotations
@@ -201,6 +211,7 @@ def _sandbox(mntns_fd: int, rootfs: str, argv: list[str], program: str, uid: int
         ns.unshare(SANDBOX_NAMESPACES)
     except OSError as exc:
         raise NvcError("ldcache", f"cannot create the ldconfig sandbox: {exc.strerror}") from None
+    _lock_rootfs(rootfs)
     # stdin: a pipe with no writer (reads give EOF) rather than a host /dev/null fd.
     stdin_r, stdin_w = os.pipe()
     os.close(stdin_w)
@@ -223,6 +234,17 @@ def _sandbox(mntns_fd: int, rootfs: str, argv: list[str], program: str, uid: int
         "status": os.waitstatus_to_exitcode(status),
         "output": output.decode("utf-8", "backslashreplace"),
     }
+
+
+def _lock_rootfs(rootfs: str) -> None:
+    """Wait for any other ldconfig run on this rootfs (see the module docstring). The fd stays
+    open, and the lock held, until this worker exits; it is close-on-exec and the sandbox
+    closes every fd it does not need, so ldconfig never sees it."""
+    try:
+        fd = os.open(rootfs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as exc:
+        raise NvcError("ldcache", f"cannot lock {escape(rootfs)} for ldconfig: {exc.strerror}") from None
 
 
 def _sealed_copy(program: str) -> int:
@@ -320,9 +342,15 @@ def _sandbox_init(
         if (before.st_dev, before.st_ino) != (after.st_dev, after.st_ino):
             raise OSError(0, "rootfs changed while it was being mounted")
         # nosuid,nodev on the rootfs and every mount below it (volumes included), keeping each
-        # mount's other flags (a read-only rootfs stays read-only).
-        step = "set nosuid,nodev"
-        sc.mount_setattr(root, "", sc.AT_EMPTY_PATH | sc.AT_RECURSIVE, sc.MOUNT_ATTR_NOSUID | sc.MOUNT_ATTR_NODEV)
+        # mount's other flags; read-only too, except the rootfs mount itself when it was
+        # writable (a read-only rootfs stays read-only).
+        step = "set nosuid,nodev,ro"
+        writable = not os.fstatvfs(root).f_flag & os.ST_RDONLY
+        sc.mount_setattr(root, "", sc.AT_EMPTY_PATH | sc.AT_RECURSIVE,
+                         sc.MOUNT_ATTR_NOSUID | sc.MOUNT_ATTR_NODEV | sc.MOUNT_ATTR_RDONLY)
+        if writable:
+            step = "keep the rootfs writable"
+            sc.mount_setattr(root, "", sc.AT_EMPTY_PATH, 0, sc.MOUNT_ATTR_RDONLY)
         step = "chdir rootfs"
         os.fchdir(root)
 

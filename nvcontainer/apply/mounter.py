@@ -16,8 +16,8 @@ Two halves, one per side of the namespace boundary:
 
 from __future__ import annotations
 
+import errno
 import os
-import secrets
 import stat
 
 from ..errors import NvcError, escape
@@ -171,6 +171,28 @@ class _Undo:
                 pass
 
 
+class _HostGuard:
+    """Where :func:`place` may create or remove directory entries: in the rootfs's own mount,
+    or on a filesystem the host does not have mounted (the runtime's fresh tmpfs for /dev, the
+    container's procfs). A directory of a host filesystem mounted into the container (a
+    volume, a host directory bound over a target's parent) belongs to the host: a placeholder,
+    SONAME link or drop-in made there is made on the host (CVE-2024-0133), so that is refused.
+    Mounting over an entry that already exists there changes nothing on the host and stays
+    allowed.
+    """
+
+    def __init__(self, root: int, host_filesystems: frozenset[int]):
+        self.root_mount = mounts.mnt_id_of(root)
+        self.host_filesystems = host_filesystems
+
+    def check(self, dfd: int) -> None:
+        if mounts.mnt_id_of(dfd) == self.root_mount:
+            return
+        if os.fstat(dfd).st_dev in self.host_filesystems:
+            raise OSError(errno.EXDEV, "the directory is a host filesystem mounted into the container: "
+                                       "refusing to create or remove entries in it")
+
+
 def place(mntns_fd: int, rootfs: str, actions: list[dict], owner: tuple[int, int] = (0, 0)) -> dict:
     """Worker body: enter the container's mount namespace and perform ``actions`` in order.
 
@@ -179,6 +201,8 @@ def place(mntns_fd: int, rootfs: str, actions: list[dict], owner: tuple[int, int
     """
     from .ns import setns_mount
 
+    # Which filesystems the host has mounted, read while still in its mount namespace.
+    host_filesystems = mounts.mounted_filesystems()
     setns_mount(mntns_fd)
     # Re-open the rootfs after entering: an fd opened before would walk the host's mounts.
     try:
@@ -191,15 +215,16 @@ def place(mntns_fd: int, rootfs: str, actions: list[dict], owner: tuple[int, int
     warnings: list[str] = []
     done = 0
     try:
+        guard = _HostGuard(root, host_filesystems)
         for action in actions:
             op = action["op"]
             try:
                 if op == "mount":
-                    _mount(root, action, undo)
+                    _mount(root, action, undo, guard)
                 elif op == "symlink":
-                    _symlink(root, action, undo, warnings)
+                    _symlink(root, action, undo, guard, warnings)
                 elif op == "file":
-                    _file(root, action, undo)
+                    _file(root, action, undo, guard)
             except OSError as exc:
                 raise NvcError("mount", f"{action.get('step', op)} {escape(action['target'])}: "
                                f"{(exc.strerror or str(exc)).lower()}") from None
@@ -212,19 +237,19 @@ def place(mntns_fd: int, rootfs: str, actions: list[dict], owner: tuple[int, int
     return {"done": done, "warnings": warnings}
 
 
-def _parent(root: int, target: str, undo: _Undo) -> tuple[int, str]:
+def _parent(root: int, target: str, undo: _Undo, guard: _HostGuard) -> tuple[int, str]:
     parent, _, name = target.rpartition("/")
     if not name or name in (".", ".."):
         raise OSError(22, "invalid target name")
-    dfd = inroot.mkdirs_in_root(root, parent or "/")
+    dfd = inroot.mkdirs_in_root(root, parent or "/", before_mkdir=guard.check)
     undo.fds.append(dfd)
     return dfd, name
 
 
-def _mount(root: int, action: dict, undo: _Undo) -> None:
+def _mount(root: int, action: dict, undo: _Undo, guard: _HostGuard) -> None:
     target, kind = action["target"], action["kind"]
-    dfd, name = _parent(root, target, undo)
-    tfd = _placeholder(dfd, name, kind, undo)
+    dfd, name = _parent(root, target, undo, guard)
+    tfd = _placeholder(dfd, name, kind, undo, guard)
     undo.fds.append(tfd)
     if target.startswith("/proc/") and syscalls.fstatfs_type(tfd) not in _PROC_TARGET_FS:
         raise NvcError("mount", f"{action['step']} {escape(target)}: not on procfs: refusing")
@@ -237,7 +262,7 @@ def _mount(root: int, action: dict, undo: _Undo) -> None:
     undo.mounted.append(tfd)
 
 
-def _placeholder(dfd: int, name: str, kind: str, undo: _Undo) -> int:
+def _placeholder(dfd: int, name: str, kind: str, undo: _Undo, guard: _HostGuard) -> int:
     """An O_PATH fd of the mount point, created if missing, of the type the mount needs.
 
     An existing entry of the wrong type is replaced only when it is not a directory (the image
@@ -252,9 +277,11 @@ def _placeholder(dfd: int, name: str, kind: str, undo: _Undo) -> int:
         if want_dir:
             raise OSError(20, "a non-directory is in the way")
     if st is not None and not want_dir and not stat.S_ISREG(st.st_mode):
+        guard.check(dfd)
         os.unlink(name, dir_fd=dfd)
         st = None
     if st is None:
+        guard.check(dfd)
         if want_dir:
             os.mkdir(name, 0o755, dir_fd=dfd)
         else:
@@ -268,25 +295,30 @@ def _placeholder(dfd: int, name: str, kind: str, undo: _Undo) -> int:
     return fd
 
 
-def _symlink(root: int, action: dict, undo: _Undo, warnings: list[str]) -> None:
-    dfd, name = _parent(root, action["target"], undo)
+def _symlink(root: int, action: dict, undo: _Undo, guard: _HostGuard, warnings: list[str]) -> None:
+    dfd, name = _parent(root, action["target"], undo, guard)
     st = inroot.inspect_at(dfd, name)
     if st is not None:
         if stat.S_ISLNK(st.st_mode):
             if os.readlink(name, dir_fd=dfd) == action["link"]:
                 return
+            guard.check(dfd)
             os.unlink(name, dir_fd=dfd)
         else:
             warnings.append(f"{action['target']} exists and is not a symlink: left as it is")
             return
+    guard.check(dfd)
     inroot.symlink_at(dfd, name, action["link"])
     undo.chown(dfd, name)
 
 
-def _file(root: int, action: dict, undo: _Undo) -> None:
+def _file(root: int, action: dict, undo: _Undo, guard: _HostGuard) -> None:
     """Write a small file atomically: a fresh temporary in the same verified directory, then a
     rename over the name (rename replaces a symlink entry itself, never its target)."""
-    dfd, name = _parent(root, action["target"], undo)
+    import secrets   # only plans with files need it; it costs a start without them ~8 ms
+
+    dfd, name = _parent(root, action["target"], undo, guard)
+    guard.check(dfd)
     tmp = f".nvcontainer-{secrets.token_hex(8)}"
     fd = inroot.create_file_at(dfd, tmp, action["mode"])
     try:

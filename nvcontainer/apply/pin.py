@@ -5,7 +5,12 @@ process between our reading of ``/proc/PID`` and our use of it. So the host proc
 process with a pidfd, opens its mount namespace, and then checks the process is still the same
 one (alive, same start time). A namespace fd keeps the namespace alive on its own, so a worker
 holding it can never be redirected to another process's mounts. A container that shares the
-host's mount namespace is refused: "injecting" into it would mount onto the host itself.
+host's mount namespace is refused: "injecting" into it would mount onto the host itself. The
+host is both our own namespace and that of PID 1: a runtime (and so the hook) may run in a
+private namespace of its own, and a stale ``--pid`` may by then name a host process.
+
+Anything else read through ``/proc/PID`` later must be followed by :meth:`Pinned.alive`: the
+number may have been reused in between, and only a still-open pidfd proves it was not.
 """
 
 from __future__ import annotations
@@ -34,18 +39,35 @@ class Pinned:
                 pass
 
 
-def start_time(pid: int) -> int | None:
-    """Field 22 of ``/proc/PID/stat`` (after the parenthesised, possibly hostile, comm)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read(4096)
-    except OSError:
+def parse_start_time(data: bytes) -> int | None:
+    """Field 22 of a ``/proc/PID/stat`` line. The comm before it is the process's own choice
+    (spaces, parentheses, newlines), so the fields are counted from the *last* ``)``."""
+    cut = data.rfind(b")")
+    if cut < 0:
         return None
-    rest = data[data.rfind(b")") + 2:].split()
+    rest = data[cut + 1:].split()
     try:
-        return int(rest[19])
+        value = int(rest[19])
     except (IndexError, ValueError):
         return None
+    return value if value >= 0 else None
+
+
+def start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return parse_start_time(f.read(4096))
+    except OSError:
+        return None
+
+
+def _same_namespace(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False  # e.g. no access to PID 1 in a nested setup: our own namespace still counts
+    theirs = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (theirs.st_dev, theirs.st_ino)
 
 
 def pin(pid: int) -> Pinned:
@@ -63,9 +85,7 @@ def pin(pid: int) -> Pinned:
     if before is None or start_time(pid) != before or not pinned.alive():
         pinned.close()
         raise NvcError("container", f"container process {pid} exited during configuration")
-    own = os.stat("/proc/self/ns/mnt")
-    theirs = os.fstat(mntns)
-    if (own.st_dev, own.st_ino) == (theirs.st_dev, theirs.st_ino):
+    if _same_namespace(mntns, "/proc/self/ns/mnt") or _same_namespace(mntns, "/proc/1/ns/mnt"):
         pinned.close()
         raise NvcError("container", f"process {pid} shares the host's mount namespace: refusing to mount into it")
     return pinned

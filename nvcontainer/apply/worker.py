@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Callable, Iterable
 
+import prctl   # here, once: every forked worker (and the ldconfig sandbox) finds it loaded
+
 from .. import log
 from ..errors import NvcError, escape
 
@@ -215,8 +217,6 @@ def _child(parent: int, fn, args, keep: list[int], wfd: int, max_reply: int, cat
 
 def _become_worker(parent: int, keep: list[int], wfd: int) -> int:
     """Detach from everything the parent holds. Returns the (possibly moved) result fd."""
-    import prctl
-
     prctl.set_pdeathsig(signal.SIGKILL)
     # The parent may have died between fork() and the line above; the death signal would then
     # never come. After that, getppid() names whoever adopted us, not the parent.

@@ -8,7 +8,7 @@ used, since this runs on the OCI hook's start-up path.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ..errors import NvcError, escape
 from .locate import CgroupTarget, in_user_namespace, locate
@@ -17,11 +17,15 @@ from .rules import Rule, parse_rule
 __all__ = ["CgroupTarget", "Rule", "apply_rules", "in_user_namespace", "locate", "parse_rule"]
 
 
-def apply_rules(pid: int, rules: Iterable[Rule], *, mountinfo_pid: int | None = None) -> str:
+def apply_rules(pid: int, rules: Iterable[Rule], *, mountinfo_pid: int | None = None,
+                still_ours: Callable[[], object] | None = None) -> str:
     """Allow ``rules`` in the devices cgroup of ``pid``; returns a line for the debug log.
 
     ``mountinfo_pid`` is the process whose mount table says where cgroups are mounted (the
-    runtime, in hook mode); by default this process's own.
+    runtime, in hook mode); by default this process's own. ``still_ours`` is called after
+    ``/proc/PID/cgroup`` was read and before anything is written; it raises if ``pid`` may no
+    longer be the container (a pinned pidfd that saw the process exit), so a reused PID can
+    never lead the rules into another process's cgroup.
     """
     if type(pid) is not int or pid <= 0:
         raise NvcError("cgroup", f"invalid container pid: {escape(pid)}")
@@ -31,6 +35,8 @@ def apply_rules(pid: int, rules: Iterable[Rule], *, mountinfo_pid: int | None = 
     if not wanted:
         return "no device rules to add"
     target = locate(pid, mountinfo_pid)
+    if still_ours is not None:
+        still_ours()
     if target.version == 1:
         from . import v1
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 
 from . import syscalls
 
@@ -36,6 +37,12 @@ MAXSYMLINKS = 40  # the kernel's own limit, so both resolvers fail on the same t
 _OPENAT2_RETRIES = 128  # EAGAIN/EXDEV come from concurrent renames/mounts; same bound as pathrs
 _MKDIR_RETRIES = 128  # mkdir/open ping-pong only loops while an attacker deletes our dirs
 _MAX_PATH = 4096
+# The deepest a walk descends. The kernel has no such limit (40 links of up to 4095 bytes can
+# name some 80,000 levels), but the walker holds an fd per level and, in mkdir mode, creates a
+# directory per level: without a bound the image would decide how many of both one lookup
+# costs (EMFILE under a 1024-fd hook, tens of thousands of directories under a larger one).
+# Real images stay far below.
+MAX_DEPTH = 256
 
 _O_PATH_NOFOLLOW = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 _O_PATH_DIR = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
@@ -63,11 +70,13 @@ class _Walker:
     """One in-root walk. Holds ``fds[i]``, an O_PATH fd of the directory named by
     ``names[:i]``; names past ``len(fds) - 1`` do not exist (only in ``missing_ok`` mode)."""
 
-    def __init__(self, root_fd: int, *, missing_ok: bool = False, mkdir_mode: int | None = None):
+    def __init__(self, root_fd: int, *, missing_ok: bool = False, mkdir_mode: int | None = None,
+                 before_mkdir: Callable[[int], None] | None = None):
         self.fds = [os.open(".", _O_PATH_DIR, dir_fd=root_fd)]
         self.names: list[str] = []
         self.missing_ok = missing_ok
         self.mkdir_mode = mkdir_mode
+        self.before_mkdir = before_mkdir
         self.links = 0
 
     def close(self) -> None:
@@ -99,6 +108,8 @@ class _Walker:
                     if self.missing_ok:
                         return None
                     raise
+            if self.before_mkdir is not None:
+                self.before_mkdir(self.fds[-1])
             try:
                 os.mkdir(name, self.mkdir_mode, dir_fd=self.fds[-1])  # mkdirat never follows
             except FileExistsError:
@@ -130,6 +141,9 @@ class _Walker:
             if name == "..":
                 self._up()
                 continue
+            if len(self.names) >= MAX_DEPTH:
+                raise OSError(errno.ENAMETOOLONG, f"path resolves deeper than {MAX_DEPTH} directories",
+                              "/".join(self.names[:4]) + "/...")
             if len(self.fds) <= len(self.names):  # below a missing component
                 self.names.append(name)
                 continue
@@ -243,7 +257,8 @@ def resolve_in_root(root: str, path: str) -> str:
         os.close(root_fd)
 
 
-def mkdirs_in_root(root_fd: int, path: str, mode: int = 0o755) -> int:
+def mkdirs_in_root(root_fd: int, path: str, mode: int = 0o755, *,
+                   before_mkdir: Callable[[int], None] | None = None) -> int:
     """``mkdir -p`` inside the root; returns an O_PATH fd of the final directory.
 
     Safe because each directory is created with mkdirat relative to a directory fd that the
@@ -252,8 +267,11 @@ def mkdirs_in_root(root_fd: int, path: str, mode: int = 0o755) -> int:
     directory is used, a symlink is resolved in-root, anything else is NotADirectoryError. The
     walk is always the component walker because it has to act between components; each step is
     already a single-component lookup, so openat2 would add nothing.
+
+    ``before_mkdir(dir_fd)`` is called with the verified parent before each directory is
+    created there; it raises (an OSError) to forbid creating anything in that directory.
     """
-    walker = _Walker(root_fd, mkdir_mode=mode)
+    walker = _Walker(root_fd, mkdir_mode=mode, before_mkdir=before_mkdir)
     try:
         fd = walker.walk(path, follow_last=True)
         assert fd is not None  # missing components are created in this mode

@@ -206,6 +206,23 @@ def _read_bounded(path: str, limit: int) -> str:
     return data.decode("utf-8", "surrogateescape")
 
 
+def filesystems_in(text: str) -> frozenset[int]:
+    """The device numbers (``st_dev``) of every filesystem mounted somewhere in mountinfo(5)
+    ``text`` (field 3, ``major:minor``); malformed lines are skipped."""
+    devs = set()
+    for line in text.splitlines():
+        fields = line.split(" ", 3)
+        major, sep, minor = fields[2].partition(":") if len(fields) > 3 else ("", "", "")
+        if sep and major.isdigit() and minor.isdigit():
+            devs.add(os.makedev(int(major), int(minor)))
+    return frozenset(devs)
+
+
+def mounted_filesystems() -> frozenset[int]:
+    """:func:`filesystems_in` of this process's mount namespace."""
+    return filesystems_in(_read_bounded("/proc/self/mountinfo", _MAX_MOUNTINFO))
+
+
 def mnt_id_of(fd: int) -> int:
     """Mount id of the mount ``fd`` lives on (kernel ≥ 3.15 fdinfo ``mnt_id``)."""
     for line in _read_bounded(f"/proc/self/fdinfo/{fd}", _MAX_FDINFO).splitlines():

@@ -29,7 +29,10 @@ def build(
     deadline: float = 30.0,
     search_path: str | None = None,
     mps_dir: str | None = None,
+    query=nvml.query,
 ) -> Inventory:
+    """``query(library_path, user, deadline)`` answers for NVML (:func:`nvml.query`, or the
+    inventory cache's stored answers)."""
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise NvcError("input", f"driver root {escape(root)}: not a directory")
@@ -46,7 +49,7 @@ def build(
         )
     nvml_path = _nvml_library(root, ldcache_path, entries64, kernel)
     log.info(f"loading NVML from {nvml_path}")
-    facts = nvml.query(nvml_path, user, deadline)
+    facts = query(nvml_path, user, deadline)
     version = facts["driver_version"]
     if kernel != version:
         raise NvcError(

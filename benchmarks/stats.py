@@ -1,0 +1,54 @@
+"""Summaries of timing samples and the printed table: pure functions over plain data."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+
+def summary(samples: list[float]) -> dict:
+    """n, median, p95 (nearest rank), min, max and mean of ``samples`` (milliseconds)."""
+    if not samples:
+        return {"n": 0}
+    ordered = sorted(samples)
+    return {
+        "n": len(ordered),
+        "median": statistics.median(ordered),
+        "p95": ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)],
+        "min": ordered[0],
+        "max": ordered[-1],
+        "mean": statistics.fmean(ordered),
+    }
+
+
+def paired_median(a: list[float], b: list[float]) -> float | None:
+    """Median of the per-iteration differences ``a[i] - b[i]`` of two interleaved series: less
+    sensitive than a difference of medians to the machine getting slower or faster mid-run."""
+    if not a or len(a) != len(b):
+        return None
+    return statistics.median(x - y for x, y in zip(a, b))
+
+
+def _cell(value) -> str:
+    return "-" if value is None else f"{value:8.1f}"
+
+
+def table(rows: list[tuple[str, dict]], checks: list[tuple[str, float | None, str, bool | None]]) -> str:
+    """Rows of (label, summary) and checks of (label, measured, target text, met)."""
+    width = max([len(label) for label, _ in rows] + [len(label) for label, *_ in checks] + [20])
+    out = [f"{'':{width}}     n   median      p95      min      max   (ms)"]
+    for label, s in rows:
+        if label.startswith("#"):
+            out.append(label[1:].strip())
+            continue
+        if not s.get("n"):
+            out.append(f"{label:{width}}     0")
+            continue
+        out.append(f"{label:{width}} {s['n']:5d} {_cell(s['median'])} {_cell(s['p95'])} {_cell(s['min'])} {_cell(s['max'])}")
+    if checks:
+        out.append("")
+        out.append("targets")
+        for label, value, target, met in checks:
+            verdict = "n/a" if met is None else "met" if met else "NOT MET"
+            out.append(f"{label:{width}}       {_cell(value)}   {target:<28} {verdict}")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,149 @@
+"""Everything the benchmarks run against, laid out in one temporary directory.
+
+* Fake GPU machines (``tests/fixtures/fakegpu``): a fast one, and one whose mock NVML takes
+  ``init_delay_ms`` to initialise, as a real driver without persistence mode does.
+* A production-like interpreter: a virtual environment of the same Python binary whose
+  ``site-packages`` holds one ``.pth`` with plain directory lines (this checkout, and the
+  development environment's ``site-packages`` for the dependencies), and console scripts written
+  the way pip writes them. That is what a regular (non-editable) install looks like at start-up:
+  an editable install instead runs setuptools' import finder on every interpreter start.
+* OCI bundles: one per container run, each with a fresh copy (hard links) of a busybox rootfs,
+  as an engine gives every container a fresh rootfs; ``/proc/driver`` is a tmpfs from the spec,
+  standing in for the real driver's procfs directory that the containers' procfs lacks here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.fixtures.fakegpu import FakeSpec, build
+from tests.fixtures.fakegpu.build import FakeMachine
+from tests.fixtures.runtime import busybox_rootfs
+
+REPO = Path(__file__).resolve().parent.parent
+PROBE = REPO / "benchmarks" / "probe.py"
+HOOK_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+CONTAINER_ENV = ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
+
+# What pip writes for a console_scripts entry point (the interpreter path goes on line one).
+CONSOLE_SCRIPT = """\
+# -*- coding: utf-8 -*-
+import re
+import sys
+from {module} import {function}
+if __name__ == '__main__':
+    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])
+    sys.exit({function}())
+"""
+
+
+@dataclass
+class Workspace:
+    base: Path
+    python: Path          # the production-like interpreter
+    hook: Path            # its nvcontainer-hook console script
+    cli: Path             # its nvcontainer console script
+    editable_hook: Path | None   # the development environment's own nvcontainer-hook, if any
+    others: dict          # label -> nvcontainer-hook of another tree (--compare)
+    template: Path        # pristine busybox rootfs
+    spec: dict            # `runc spec` output, the base of every bundle
+
+    def machine(self, name: str, spec: FakeSpec) -> FakeMachine:
+        dest = self.base / name
+        dest.mkdir(mode=0o755)
+        return build(dest, spec)
+
+    def bundle(self, prestart: list[dict], *, env=CONTAINER_ENV) -> Path:
+        """A bundle whose container runs busybox ``true`` after the given prestart hooks."""
+        name = f"b-{uuid.uuid4().hex[:10]}"
+        bundle = self.base / "bundles" / name
+        bundle.mkdir(parents=True)
+        subprocess.run(["cp", "-al", str(self.template), str(bundle / "rootfs")], check=True)
+        spec = copy.deepcopy(self.spec)
+        process = spec["process"]
+        process.update(terminal=False, args=["/bin/true"], env=["PATH=/usr/sbin:/usr/bin:/sbin:/bin", *env],
+                       noNewPrivileges=True)
+        for key in ("bounding", "effective", "permitted", "ambient"):
+            process["capabilities"][key] = ["CAP_CHOWN", "CAP_MKNOD", "CAP_KILL"]
+        spec["root"] = {"path": "rootfs", "readonly": False}
+        spec["mounts"].append({"destination": "/proc/driver", "type": "tmpfs", "source": "nvc-bench",
+                               "options": ["nosuid", "nodev", "noexec", "mode=555"]})
+        spec["hooks"] = {"prestart": prestart}
+        spec["linux"]["cgroupsPath"] = f"/nvc-bench/{name}"
+        (bundle / "config.json").write_text(json.dumps(spec))
+        return bundle
+
+    # Hook registrations, as hooks/oci-hook-entry.json writes them.
+
+    def hook_entry(self, machine: FakeMachine, script: Path | None = None, *extra: str) -> dict:
+        return {"path": str(script or self.hook), "args": ["nvcontainer-hook", *extra, "--root", str(machine.root),
+                                                           "prestart"], "env": HOOK_ENV, "timeout": 60}
+
+    def probe_entry(self, out: Path, argv: list[str], stderr: Path | None = None) -> dict:
+        """``argv`` run under the probe, which records its wall time and peak RSS in ``out``."""
+        tail = ["--stderr", str(stderr)] if stderr else []
+        return {"path": str(self.python), "args": [str(self.python), "-I", "-S", str(PROBE), str(out), *tail, "--",
+                                                    *argv], "env": HOOK_ENV, "timeout": 60}
+
+
+def create(base: Path, compare: dict[str, str] | None = None) -> Workspace:
+    """``compare``: label -> a directory holding another ``nvcontainer`` package, or ``git:REV``
+    for the tree of a commit (extracted with ``git archive``), to time beside this checkout."""
+    base.mkdir(parents=True, exist_ok=True)
+    base.chmod(0o755)   # the unprivileged NVML helper must read the driver roots below
+    python, hook, cli = production_venv(base / "venv")
+    others = {}
+    for label, where in (compare or {}).items():
+        tree = base / f"tree-{label}"
+        if where.startswith("git:"):
+            tree.mkdir()
+            archive = subprocess.run(["git", "-C", str(REPO), "archive", where[4:], "nvcontainer"],
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        else:
+            shutil.copytree(Path(where) / "nvcontainer", tree / "nvcontainer")
+        others[label] = production_venv(base / f"venv-{label}", tree)[1]
+    template = busybox_rootfs(base / "rootfs-template")
+    editable = Path(sys.prefix) / "bin" / "nvcontainer-hook"
+    spec_dir = base / "spec"
+    spec_dir.mkdir()
+    subprocess.run(["runc", "spec"], cwd=spec_dir, check=True)
+    spec = json.loads((spec_dir / "config.json").read_text())
+    return Workspace(base=base, python=python, hook=hook, cli=cli,
+                     editable_hook=editable if editable.exists() else None, others=others, template=template,
+                     spec=spec)
+
+
+def production_venv(dest: Path, tree: Path = REPO) -> tuple[Path, Path, Path]:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True)
+    python = dest / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    deps = sysconfig.get_paths()["purelib"]   # where this (development) interpreter has click, pynvml, ...
+    Path(purelib, "nvcontainer-bench.pth").write_text(f"{tree}\n{deps}\n")
+    scripts = {}
+    for name, target in (("nvcontainer-hook", "nvcontainer.hook:main"), ("nvcontainer", "nvcontainer.cli:main")):
+        module, function = target.split(":")
+        path = dest / "bin" / name
+        path.write_text(f"#!{python}\n" + CONSOLE_SCRIPT.format(module=module, function=function))
+        path.chmod(0o755)
+        scripts[name] = path
+    return python, scripts["nvcontainer-hook"], scripts["nvcontainer"]
+
+
+def remove(base: Path) -> None:
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def world_python_env() -> dict:
+    """Environment for the process that runs inside a fake machine's /proc view."""
+    return dict(os.environ, PYTHONPATH=str(REPO))

@@ -1,0 +1,379 @@
+"""``nvcontainer doctor``: what is wrong with GPU containers on this node, and what to do.
+
+Each check gives a verdict (``ok``, ``warn``, ``FAIL``, ``skip`` when an earlier failure makes
+it meaningless) with one line of detail and, unless ok, one line saying how to fix it. The
+host is read once into :class:`Facts` by :func:`gather`; :func:`evaluate` turns facts into
+checks without touching the host, so every verdict can be tested on made-up facts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+
+from . import log
+from .errors import NvcError, escape
+from .inventory.model import CTL_MINOR, NVIDIA_MAJOR
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
+LIBRARIES = ("libnvidia-ml.so.1", "libcuda.so.1")
+HOOK_NAMES = {"nvcontainer-hook": "nvcontainer", "nvidia-container-runtime-hook": "nvidia-container-toolkit",
+              "nvidia-container-toolkit": "nvidia-container-toolkit"}
+HOOKS_DIRS = ("/usr/share/containers/oci/hooks.d", "/etc/containers/oci/hooks.d")
+CONFIG_CAP = 1 << 20
+MAX_HOOK_FILES = 256
+CDI_HINT = "nvcontainer cdi generate --output /var/run/cdi/nvidia.yaml"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    verdict: str
+    detail: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class Node:
+    path: str                                   # as on the host (driver root included)
+    expected: tuple[int, int]
+    found: tuple[str, int, int] | None          # check.probe's answer
+
+
+@dataclass(frozen=True)
+class Facts:
+    root: str = "/"
+    ldcache: str = "/etc/ld.so.cache"
+    kernel_version: str | None = None
+    cache_error: str | None = None
+    cache_libs: dict = field(default_factory=dict)       # SONAME → resolved files, root-relative
+    nvml_version: str | None = None
+    nvml_gpus: int | None = None
+    nvml_error: str | None = None
+    nodes: tuple[Node, ...] = ()
+    cgroup_v1_devices: bool = False
+    cgroup_v2: bool = False
+    systemd: bool = False
+    persistenced: bool = False
+    cdi_dirs: tuple[str, ...] = ()
+    cdi_verdicts: tuple = ()                              # cdi.check.Verdict
+    cdi_problems: tuple[str, ...] = ()
+    registrations: tuple[tuple[str, str, str], ...] = ()  # (engine, what, where)
+
+
+# --- deciding ----------------------------------------------------------------------------------
+
+
+def evaluate(f: Facts) -> list[Check]:
+    checks = [_driver(f), _cache(f), _versions(f), _nvml(f), _nodes(f), _cgroups(f), _persistence(f), _cdi(f)]
+    checks.append(_registrations(f))
+    return checks
+
+
+def _driver(f: Facts) -> Check:
+    if f.kernel_version is None:
+        return Check("driver loaded", FAIL, "no /proc/driver/nvidia/version: the nvidia kernel module is not loaded",
+                     "load it (modprobe nvidia) or install the driver; dmesg shows why it did not load (NVRM lines)")
+    return Check("driver loaded", OK, f"kernel module {f.kernel_version}")
+
+
+def _cache(f: Facts) -> Check:
+    where = escape(os.path.join(f.root, f.ldcache.lstrip("/")))
+    if f.cache_error:
+        return Check("ld cache", FAIL, escape(f.cache_error),
+                     "run ldconfig on the host (or point --root/--ldcache at the driver's cache)")
+    missing = [name for name in LIBRARIES if not f.cache_libs.get(name)]
+    if missing:
+        return Check("ld cache", FAIL, f"{', '.join(missing)} not in {where}",
+                     "install the driver's user-space libraries, then run ldconfig; a library directory "
+                     "outside the default ones needs a file in /etc/ld.so.conf.d")
+    return Check("ld cache", OK, f"{', '.join(LIBRARIES)} in {where}")
+
+
+def _versions(f: Facts) -> Check:
+    if f.kernel_version is None or f.cache_error or not all(f.cache_libs.get(n) for n in LIBRARIES):
+        return Check("versions match", SKIP, "needs the driver and the ld cache")
+    wrong = []
+    for name in LIBRARIES:
+        files = [os.path.basename(p) for p in f.cache_libs[name]]
+        if not any(base.endswith("." + f.kernel_version) for base in files):
+            wrong.append(f"{name} is {escape(', '.join(files), 120)}")
+    if wrong:
+        return Check("versions match", FAIL,
+                     f"driver/library version mismatch: kernel module {f.kernel_version}, {'; '.join(wrong)}",
+                     "after a driver upgrade, reboot (or unload and reload the nvidia modules) so the module "
+                     "matches the libraries")
+    return Check("versions match", OK, f"kernel module and {', '.join(LIBRARIES)} are {f.kernel_version}")
+
+
+def _nvml(f: Facts) -> Check:
+    if f.nvml_error:
+        return Check("NVML", FAIL, escape(f.nvml_error, 300),
+                     "rerun with --debug FILE for the trace; 'timed out' usually means persistence mode is off")
+    if f.nvml_version is None:
+        return Check("NVML", SKIP, "needs the driver and a matching libnvidia-ml.so.1")
+    return Check("NVML", OK, f"driver {f.nvml_version}, {f.nvml_gpus} GPU(s)")
+
+
+def _nodes(f: Facts) -> Check:
+    if f.kernel_version is None:
+        return Check("device nodes", SKIP, "needs the driver")
+    missing = [n.path for n in f.nodes if n.found is None]
+    wrong = [f"{n.path} is {n.found[1]}:{n.found[2]}, expected {n.expected[0]}:{n.expected[1]}"
+             if n.found[0] == "c" else f"{n.path} is not a character device"
+             for n in f.nodes if n.found is not None and n.found != ("c", *n.expected)]
+    if wrong:
+        return Check("device nodes", FAIL, escape("; ".join(wrong), 300),
+                     "remove them and let the driver re-create them (nvidia-modprobe, or nvidia-smi as root), "
+                     "or mknod PATH c MAJOR MINOR")
+    if missing:
+        return Check("device nodes", FAIL, f"missing {escape(', '.join(missing), 300)}",
+                     "create them: nvidia-modprobe -c MINOR -u (or run nvidia-smi once as root); "
+                     "the uvm nodes need the nvidia-uvm module")
+    return Check("device nodes", OK, f"{len(f.nodes)} present with the driver's numbers")
+
+
+def _cgroups(f: Facts) -> Check:
+    if f.cgroup_v1_devices:
+        kind = "cgroup v1 (devices controller): a hook adds lines to devices.allow"
+    elif f.cgroup_v2:
+        kind = "cgroup v2: a hook splices rules into the runtime's eBPF device program"
+    else:
+        return Check("cgroups", WARN, "no devices controller and no cgroup2 mount found",
+                     "mount the cgroup hierarchies (the runtime cannot confine devices without them)")
+    if f.systemd:
+        return Check("cgroups", WARN, f"{kind}; with systemd, engines using the systemd cgroup driver lose such "
+                                      "rules on 'systemctl daemon-reload' (NVML: Unknown Error, toolkit#48)",
+                     f"use CDI, where device rules are part of the container's config: {CDI_HINT}")
+    return Check("cgroups", OK, f"{kind}; no systemd to re-apply device rules")
+
+
+def _persistence(f: Facts) -> Check:
+    if f.persistenced:
+        return Check("persistence", OK, "nvidia-persistenced is running (its socket is present)")
+    return Check("persistence", WARN, "nvidia-persistenced is not running: without persistence the driver tears "
+                                      "the GPUs down when their last user exits, so container starts pay GPU "
+                                      "initialisation (slow starts, 'driver rpc error: timed out')",
+                 "systemctl enable --now nvidia-persistenced")
+
+
+def _cdi(f: Facts) -> Check:
+    dirs = ", ".join(escape(d) for d in f.cdi_dirs)
+    stale = [v for v in f.cdi_verdicts if v.stale]
+    if stale:
+        first = stale[0]
+        return Check("CDI specs", FAIL, f"{len(stale)} of {len(f.cdi_verdicts)} stale: {escape(first.path)}: "
+                                        f"{first.problems[0]}",
+                     f"regenerate: nvcontainer cdi generate --output {escape(first.path)}; "
+                     "'nvcontainer cdi check' lists every problem")
+    if f.cdi_problems:
+        return Check("CDI specs", WARN, f"unreadable: {escape(f.cdi_problems[0], 200)}",
+                     "fix or remove the file: engines skip a spec they cannot read")
+    if not f.cdi_verdicts:
+        return Check("CDI specs", SKIP, f"none in {dirs}", f"to use CDI: {CDI_HINT}")
+    return Check("CDI specs", OK, f"{len(f.cdi_verdicts)} in {dirs}, none stale")
+
+
+def _registrations(f: Facts) -> Check:
+    if not f.registrations:
+        if f.cdi_verdicts:
+            return Check("hooks", OK, "no hook registered: containers get GPUs through CDI only")
+        return Check("hooks", WARN, "no engine is set up to give containers GPUs (no hook registration, no CDI spec)",
+                     f"CDI: {CDI_HINT}; or register nvcontainer-hook, see nvcontainer-hook(1)")
+    found = "; ".join(f"{engine}: {what} ({escape(where)})" for engine, what, where in f.registrations)
+    providers = {what.split(" ", 1)[0] for _, what, _ in f.registrations}
+    if len(providers) > 1:
+        return Check("hooks", WARN, f"more than one injector registered: {found}",
+                     "keep one: two hooks would both inject into the same container")
+    return Check("hooks", OK, found)
+
+
+# --- output ------------------------------------------------------------------------------------
+
+
+def render_text(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks) + 2
+    lines = []
+    for c in checks:
+        lines.append(f"{c.verdict:<5} {c.name:<{width}}{c.detail}")
+        if c.fix and c.verdict != OK:
+            lines.append(f"{'':<6}{'':<{width}}fix: {c.fix}")
+    return "".join(line + "\n" for line in lines)
+
+
+def render_json(checks: list[Check]) -> str:
+    return json.dumps([asdict(c) for c in checks], indent=2) + "\n"
+
+
+# --- reading the host --------------------------------------------------------------------------
+
+
+def examine(config, spec_dirs, *, proc: str = "/proc", etc: str = "/") -> list[Check]:
+    return evaluate(gather(config, spec_dirs, proc=proc, etc=etc))
+
+
+def gather(config, spec_dirs, *, proc: str = "/proc", etc: str = "/") -> Facts:
+    """Everything :func:`evaluate` needs. ``etc`` prefixes the engines' configuration files
+    (tests point it at a made-up tree); ``proc`` is the procfs to read."""
+    from .cdi import commands
+    from .inventory import procfs
+
+    root = os.path.abspath(config.root)
+    kernel = procfs.driver_version(proc)
+    facts: dict = {"root": root, "ldcache": config.ldcache, "kernel_version": kernel}
+    facts.update(_cache_facts(root, config.ldcache))
+    if kernel is not None:
+        facts.update(_nvml_facts(config, root, facts.get("cache_libs", {}), kernel))
+        facts["nodes"] = tuple(_node_facts(root, proc))
+    facts.update(_cgroup_facts(proc))
+    facts["persistenced"] = _persistenced(root)
+    verdicts, problems = commands.check_specs(spec_dirs, ())
+    facts.update(cdi_dirs=tuple(spec_dirs), cdi_verdicts=tuple(verdicts), cdi_problems=tuple(problems))
+    facts["registrations"] = tuple(registrations(etc))
+    return Facts(**facts)
+
+
+def _cache_facts(root: str, ldcache_path: str) -> dict:
+    from .fs.inroot import resolve_in_root
+    from .inventory import build, ldcache
+
+    try:
+        entries = build.read_cache(root, ldcache_path)
+    except NvcError as exc:
+        return {"cache_error": exc.detail}
+    libs: dict[str, list[str]] = {}
+    for entry in ldcache.entries_for_arch(entries, ldcache.native_arches()[0]):
+        if entry.key in LIBRARIES:
+            try:
+                libs.setdefault(entry.key, []).append(resolve_in_root(root, entry.value))
+            except OSError:
+                continue
+    return {"cache_libs": libs}
+
+
+def _nvml_facts(config, root: str, cache_libs: dict, kernel: str) -> dict:
+    from .identity import parse_user
+    from .inventory import nvml
+
+    match = [p for p in cache_libs.get("libnvidia-ml.so.1", []) if os.path.basename(p).endswith("." + kernel)]
+    if not match:
+        return {}
+    path = os.path.join(root, match[0].lstrip("/"))
+    try:
+        reply = nvml.query(path, parse_user(config.user), min(config.deadline, 30))
+    except NvcError as exc:
+        return {"nvml_error": exc.detail}
+    return {"nvml_version": reply["driver_version"], "nvml_gpus": len(reply["gpus"])}
+
+
+def _node_facts(root: str, proc: str) -> list[Node]:
+    from .cdi.check import probe, running
+    from .inventory import procfs
+
+    def host(path: str) -> str:
+        return os.path.join(root, path.lstrip("/")) if root != "/" else path
+
+    wanted = [("/dev/nvidiactl", (NVIDIA_MAJOR, CTL_MINOR))]
+    wanted += [(f"/dev/nvidia{minor}", (NVIDIA_MAJOR, minor)) for minor, _ in running(proc).gpus]
+    uvm = procfs.char_majors(proc).get("nvidia-uvm")
+    if uvm is not None:
+        wanted += [("/dev/nvidia-uvm", (uvm, 0)), ("/dev/nvidia-uvm-tools", (uvm, 1))]
+    return [Node(host(path), numbers, probe(host(path))) for path, numbers in wanted]
+
+
+def _cgroup_facts(proc: str) -> dict:
+    from .inventory.procfs import read_text
+
+    v1_devices = v2 = False
+    for line in (read_text(os.path.join(proc, "self/mountinfo"), 16 << 20) or "").splitlines():
+        _, sep, tail = line.partition(" - ")
+        fields = tail.split()
+        if not sep or len(fields) < 3:
+            continue
+        if fields[0] == "cgroup2":
+            v2 = True
+        elif fields[0] == "cgroup" and "devices" in fields[2].split(","):
+            v1_devices = True
+    comm = (read_text(os.path.join(proc, "1/comm"), 64) or "").strip()
+    return {"cgroup_v1_devices": v1_devices, "cgroup_v2": v2, "systemd": comm == "systemd"}
+
+
+def _persistenced(root: str) -> bool:
+    import stat
+
+    from .fs.inroot import resolve_in_root
+    from .inventory.catalog import PERSISTENCED_SOCKET
+
+    try:
+        real = resolve_in_root(root, PERSISTENCED_SOCKET)
+        return stat.S_ISSOCK(os.stat(os.path.join(root, real.lstrip("/"))).st_mode)
+    except OSError:
+        return False
+
+
+def registrations(etc: str = "/") -> list[tuple[str, str, str]]:
+    """(engine, what, file) for every GPU hook or runtime an engine's configuration names."""
+    def at(path: str) -> str:
+        return os.path.join(etc, path.lstrip("/"))
+
+    found = []
+    for directory in HOOKS_DIRS:
+        try:
+            names = sorted(n for n in os.listdir(at(directory)) if n.endswith(".json"))[:MAX_HOOK_FILES]
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(directory, name)
+            what = _hooks_d_entry(_read(at(path)))
+            if what:
+                found.append(("podman/CRI-O", what, path))
+    daemon = _read(at("/etc/docker/daemon.json"))
+    found += [("docker", what, "/etc/docker/daemon.json") for what in _docker(daemon)]
+    for path in ("/etc/containerd/config.toml", "/etc/crio/crio.conf"):
+        what = _runtime_in_toml(_read(at(path)))
+        if what:
+            found.append(("containerd" if "containerd" in path else "CRI-O", what, path))
+    return found
+
+
+def _read(path: str) -> str | None:
+    from .inventory.procfs import read_text
+
+    try:
+        return read_text(path, CONFIG_CAP)
+    except OSError as exc:
+        log.warning(f"cannot read {escape(path)}: {exc.strerror}")
+        return None
+
+
+def _provider(program: str) -> str | None:
+    return HOOK_NAMES.get(os.path.basename(program))
+
+
+def _hooks_d_entry(text: str | None) -> str | None:
+    """What an OCI hooks.d JSON file registers, if it is a GPU hook."""
+    try:
+        hook = json.loads(text or "null")["hook"]
+        provider = _provider(hook["path"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    return f"{provider} hook {hook['path']}" if provider else None
+
+
+def _docker(text: str | None) -> list[str]:
+    try:
+        runtimes = json.loads(text or "null").get("runtimes") or {}
+        return [f"nvidia-container-toolkit runtime '{name}' ({r.get('path')})" for name, r in runtimes.items()
+                if "nvidia" in str(r.get("path", ""))]
+    except (ValueError, AttributeError):
+        return []
+
+
+def _runtime_in_toml(text: str | None) -> str | None:
+    """containerd's and CRI-O's TOML: a runtime or hook whose program is an NVIDIA one."""
+    if not text:
+        return None
+    match = re.search(r"""["']?(/[^"'\s]*nvidia-container-runtime[^"'\s]*)""", text)
+    return f"nvidia-container-toolkit runtime {match.group(1)}" if match else None
