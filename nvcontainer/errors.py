@@ -9,6 +9,9 @@ put into a message, so a hostile value cannot forge log lines or drive a termina
 from __future__ import annotations
 
 _MAX_SHOWN = 200
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+# Printable to Python but able to reorder what a terminal shows: bidi marks and embeddings.
+_BIDI = frozenset([0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)])
 
 
 def escape(value: object, limit: int = _MAX_SHOWN) -> str:
@@ -22,20 +25,18 @@ def escape(value: object, limit: int = _MAX_SHOWN) -> str:
         code = ord(ch)
         if ch == "\\":
             out.append("\\\\")
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ch == "\r":
-            out.append("\\r")
-        elif code < 0x20 or code == 0x7F or 0x80 <= code < 0xA0:
-            out.append(f"\\x{code:02x}")
+        elif ch in _NAMED:
+            out.append(_NAMED[ch])
         elif 0xD800 <= code <= 0xDFFF:  # lone surrogates from surrogateescape decoding
             out.append(f"\\x{code & 0xFF:02x}")
-        elif code in (0x2028, 0x2029, 0x200E, 0x200F) or 0x202A <= code <= 0x202E or 0x2066 <= code <= 0x2069:
-            out.append(f"\\u{code:04x}")  # line separators and bidi controls
-        else:
+        elif ch.isprintable() and code not in _BIDI:
             out.append(ch)
+        elif code < 0x100:
+            out.append(f"\\x{code:02x}")
+        elif code < 0x10000:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
         if len(out) > limit:
             out.append("...")
             break

@@ -138,15 +138,9 @@ class _Undo:
         self.mounted: list[int] = []                 # target fds, for detach
         self.created: list[tuple[int, str, bool]] = []  # (dir fd, name, is_dir)
         self.fds: list[int] = []
-        self.owner: tuple[int, int] = (0, 0)
 
     def created_entry(self, dfd: int, name: str, is_dir: bool) -> None:
         self.created.append((dfd, name, is_dir))
-        self.chown(dfd, name)
-
-    def chown(self, dfd: int, name: str) -> None:
-        if self.owner != (0, 0):
-            os.chown(name, *self.owner, dir_fd=dfd, follow_symlinks=False)
 
     def rollback(self) -> None:
         for fd in reversed(self.mounted):
@@ -196,10 +190,11 @@ class _HostGuard:
 def place(mntns_fd: int, rootfs: str, actions: list[dict], owner: tuple[int, int] = (0, 0)) -> dict:
     """Worker body: enter the container's mount namespace and perform ``actions`` in order.
 
-    Entries we create (placeholders, links, files) belong to the container's ``owner``, so a
-    user-namespaced container sees them as its own, as upstream's fsuid switch gives.
+    Entries we create (placeholders, links, files) belong to the container's ``owner``: the
+    worker creates them with its filesystem identity switched to it, as upstream does, so a
+    user-namespaced container sees them as its own.
     """
-    from .ns import setns_mount
+    from .ns import set_fs_identity, setns_mount
 
     # Which filesystems the host has mounted, read while still in its mount namespace.
     host_filesystems = mounts.mounted_filesystems()
@@ -210,8 +205,13 @@ def place(mntns_fd: int, rootfs: str, actions: list[dict], owner: tuple[int, int
     except OSError as exc:
         raise NvcError("mount", f"cannot open rootfs {escape(rootfs)}: {exc.strerror.lower()}") from None
     undo = _Undo()
-    undo.owner = tuple(owner)
     undo.fds.append(root)
+    if tuple(owner) != (0, 0):
+        try:
+            set_fs_identity(*owner)
+        except OSError as exc:
+            os.close(root)
+            raise NvcError("mount", f"cannot create entries as the container's owner: {exc.strerror}") from None
     warnings: list[str] = []
     done = 0
     try:
@@ -309,7 +309,6 @@ def _symlink(root: int, action: dict, undo: _Undo, guard: _HostGuard, warnings: 
             return
     guard.check(dfd)
     inroot.symlink_at(dfd, name, action["link"])
-    undo.chown(dfd, name)
 
 
 def _file(root: int, action: dict, undo: _Undo, guard: _HostGuard) -> None:
@@ -329,7 +328,6 @@ def _file(root: int, action: dict, undo: _Undo, guard: _HostGuard) -> None:
         raise
     os.close(fd)
     try:
-        undo.chown(dfd, tmp)
         os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except OSError:
         os.unlink(tmp, dir_fd=dfd)

@@ -66,3 +66,18 @@ def pivot_root(new_root: str, put_old: str) -> None:
         raise OSError(errno.ENOSYS, f"pivot_root: unsupported architecture {os.uname().machine}")
     ret = _lib().syscall(ctypes.c_long(nr), os.fsencode(new_root), os.fsencode(put_old))
     _check(ret, "pivot_root")
+
+
+def set_fs_identity(uid: int, gid: int) -> None:
+    """Make this thread create files as ``uid``/``gid`` (setfsgid, then setfsuid).
+
+    Entries created for a user-namespaced container must belong to its mapped root from the
+    start: the kernel refuses to create an inode on a filesystem owned by that namespace (the
+    runtime's /dev tmpfs) with an owner the namespace cannot map, so chown-after is not enough.
+    setfs*id report the old value rather than an error, so the result is read back.
+    """
+    lib = _lib()
+    lib.setfsgid(gid)
+    lib.setfsuid(uid)
+    if lib.setfsuid(-1) != uid or lib.setfsgid(-1) != gid:
+        raise OSError(1, f"cannot switch the filesystem identity to {uid}:{gid}")

@@ -180,7 +180,9 @@ def parse_mountinfo(text: str) -> dict[int, MountEntry]:
     """Parse mountinfo(5) text; malformed lines are skipped (the kernel writes it, but the
     caller may be handed a truncated read)."""
     entries = {}
-    for line in text.splitlines():
+    # Lines end at "\n" only: splitlines() would also break at \r, \x1c-\x1e, \x85, \u2028...,
+    # which the kernel leaves raw in mount points an image can name.
+    for line in text.split("\n"):
         fields = line.split(" ")
         try:
             sep = fields.index("-", 6)
@@ -210,7 +212,7 @@ def filesystems_in(text: str) -> frozenset[int]:
     """The device numbers (``st_dev``) of every filesystem mounted somewhere in mountinfo(5)
     ``text`` (field 3, ``major:minor``); malformed lines are skipped."""
     devs = set()
-    for line in text.splitlines():
+    for line in text.split("\n"):
         fields = line.split(" ", 3)
         major, sep, minor = fields[2].partition(":") if len(fields) > 3 else ("", "", "")
         if sep and major.isdigit() and minor.isdigit():
@@ -225,7 +227,7 @@ def mounted_filesystems() -> frozenset[int]:
 
 def mnt_id_of(fd: int) -> int:
     """Mount id of the mount ``fd`` lives on (kernel ≥ 3.15 fdinfo ``mnt_id``)."""
-    for line in _read_bounded(f"/proc/self/fdinfo/{fd}", _MAX_FDINFO).splitlines():
+    for line in _read_bounded(f"/proc/self/fdinfo/{fd}", _MAX_FDINFO).split("\n"):
         key, _, value = line.partition(":")
         if key == "mnt_id":
             return int(value.strip())

@@ -105,15 +105,6 @@ def test_mount_point_names_round_trip(root, point, tags, fstype):
     assert parsed is not None and parsed[:3] == (root, point, fstype)
 
 
-_SPLIT_FIX = (
-    "fs/mounts.parse_mountinfo splits with str.splitlines(), which also breaks at \\r, \\x0b, \\x0c, "
-    "\\x1c-\\x1e, \\x85, \\u2028 and \\u2029; the kernel leaves those raw in mount points, so a mount "
-    "below a directory the image named that way loses its entry (mount_info_of then fails: the run stops "
-    "cleanly, so this is a denial of service on the container itself, not a bypass: a forged second half "
-    "cannot parse, its second field is the mount options). Split on '\\n' only")
-
-
-@pytest.mark.xfail(strict=True, reason=_SPLIT_FIX)
 @pytest.mark.parametrize("brk", list(LINE_BREAKS), ids=lambda c: f"U+{ord(c):04X}")
 def test_line_breaks_in_mount_points(brk):
     text = (f"36 35 98:0 / /rootfs rw shared:7 - ext4 /dev/vda rw\n"
@@ -352,15 +343,6 @@ def test_escape_is_one_bounded_line(value, limit):
     assert len(text) <= 10 * limit + 3
 
 
-_ESCAPE_FIX = (
-    "errors.escape passes characters str.isprintable() rejects: U+061C (ARABIC LETTER MARK, a bidi "
-    "control missing from its list), zero-width and other format characters (U+200B-U+200D, U+FEFF, "
-    "U+00AD), non-ASCII spaces (U+00A0, U+2000-U+200A), private-use and unassigned code points; "
-    "conftest's one-line check (isprintable) then fails on such input. Escape every character for "
-    "which ch.isprintable() is false (keeping the existing \\n, \\t, \\xNN and \\uNNNN spellings)")
-
-
-@pytest.mark.xfail(strict=True, reason=_ESCAPE_FIX)
 @pytest.mark.parametrize("ch", ["\u061c", "\u200b", "\ufeff", "\u00a0", "\u00ad", "\ue000"],
                          ids=lambda c: f"U+{ord(c):04X}")
 def test_escape_leaves_only_printable_characters(ch):
