@@ -94,4 +94,5 @@ def options_from_config(config: Config, **flags) -> PlanOptions:
         no_gsp_firmware=flags.get("no_gsp_firmware", False),
         ldconfig=flags.get("ldconfig") or config.ldconfig,
         cuda_compat_mode=flags.get("cuda_compat_mode") or config.cuda_compat_mode,
+        allowed_devices=config.allowed_devices,
     )

@@ -70,5 +70,15 @@ def warning(msg: str) -> None:
     _emit("W", msg, 2)
 
 
+def warnings_since(mark: int) -> list[str]:
+    """Warnings logged since ``warning_count()`` returned ``mark`` (the inventory cache stores
+    what a build warned about and says it again on every hit)."""
+    return _warnings[mark:]
+
+
+def warning_count() -> int:
+    return len(_warnings)
+
+
 def error(msg: str) -> None:
     _emit("E", msg, 2)

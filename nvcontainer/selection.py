@@ -4,6 +4,10 @@ Tokens are matched in upstream's order (REFERENCE §1.4): ``GPU-`` UUID prefix, 
 index, ``MIG-`` UUID, ``i:j``, ``all``. We also accept the old ``MIG-GPU-<uuid>/<gi>/<ci>``
 form that newer drivers stopped reporting (toolkit#203), by mapping it to the MIG device with
 those instance ids. Selecting a MIG device selects its parent GPU too.
+
+A node's ``allowed-devices`` (an orchestrator agent restricted to some GPUs) is written in the
+same tokens and resolved by the same matcher, so "GPU 1" means the same thing in the config as
+in a request. It is checked here, where tokens meet devices, so no front end can bypass it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,58 @@ class Selection:
     all: bool = False
 
 
+@dataclass(frozen=True)
+class AllowList:
+    """The devices this node may hand out: whole GPUs (with all their MIG devices) by index, and
+    single MIG devices by (parent, index). ``unknown``: entries that name nothing on this host;
+    they only narrow the list, so they are reported, not fatal."""
+
+    gpus: frozenset[int] = frozenset()
+    migs: frozenset[tuple[int, int]] = frozenset()
+    unknown: tuple[str, ...] = ()
+
+    def permits(self, gpu: Gpu, mig: MigDevice | None = None) -> bool:
+        if mig is None:
+            return gpu.index in self.gpus
+        return (mig.parent, mig.index) in self.migs
+
+    def touches(self, gpu: Gpu) -> bool:
+        """The GPU is allowed whole or through one of its MIG devices."""
+        return self.permits(gpu) or any(self.permits(gpu, m) for m in gpu.migs)
+
+
+def allow_list(inventory: Inventory, tokens: tuple[str, ...] | None) -> AllowList | None:
+    """``None`` (no key, or ``all`` among the entries): everything is allowed."""
+    if tokens is None or "all" in tokens:
+        return None
+    gpus: set[int] = set()
+    migs: set[tuple[int, int]] = set()
+    unknown: list[str] = []
+    for token in tokens:
+        try:
+            gpu, mig = _match(inventory, token)
+        except NvcError:
+            unknown.append(token)
+            continue
+        if mig is None:
+            gpus.add(gpu.index)
+            migs.update((gpu.index, m.index) for m in gpu.migs)
+        else:
+            migs.add((mig.parent, mig.index))
+    return AllowList(frozenset(gpus), frozenset(migs), tuple(unknown))
+
+
+def held_back(inventory: Inventory, allow: AllowList | None) -> Selection:
+    """What ``allow`` keeps from containers: GPUs it does not touch at all, and the MIG devices
+    it leaves out on GPUs it does touch (a held-back GPU's MIG devices go without saying)."""
+    if allow is None:
+        return Selection()
+    return Selection(
+        gpus=tuple(g for g in inventory.gpus if not allow.touches(g)),
+        migs=tuple(m for g in inventory.gpus if allow.touches(g) for m in g.migs if not allow.permits(g, m)),
+    )
+
+
 def split_tokens(values: list[str] | tuple[str, ...]) -> list[str]:
     """``--device`` values are comma lists and may repeat; empty tokens are ignored."""
     tokens = [t.strip() for v in values for t in v.split(",")]
@@ -37,17 +93,20 @@ def split_tokens(values: list[str] | tuple[str, ...]) -> list[str]:
     return tokens
 
 
-def select(inventory: Inventory, tokens: list[str]) -> Selection:
+def select(inventory: Inventory, tokens: list[str], allow: AllowList | None = None) -> Selection:
+    """``all`` is every device ``allow`` permits; any other token outside it is refused."""
     gpus: dict[int, Gpu] = {}
     migs: dict[tuple[int, int], MigDevice] = {}
     for token in tokens:
         if token == "all":
             return Selection(
-                gpus=inventory.gpus,
-                migs=tuple(m for g in inventory.gpus for m in g.migs),
+                gpus=tuple(g for g in inventory.gpus if allow is None or allow.touches(g)),
+                migs=tuple(m for g in inventory.gpus for m in g.migs if allow is None or allow.permits(g, m)),
                 all=True,
             )
         gpu, mig = _match(inventory, token)
+        if allow is not None and not allow.permits(gpu, mig):
+            raise NvcError("device", f"{escape(token)}: not allowed on this node (allowed-devices)")
         if mig is not None:
             migs[(mig.parent, mig.index)] = mig
             gpu = inventory.gpus[mig.parent]

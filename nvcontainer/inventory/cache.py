@@ -405,7 +405,7 @@ def _build(config, inputs: dict, machine: dict, cached: dict | None, proc: str) 
         asked.update(library=lib_path, identity=identity(lib_path), facts=nvml.query(lib_path, user, deadline))
         return asked["facts"]
 
-    mark = len(log._warnings)   # what the build warns about is stored, and said again on every hit
+    mark = log.warning_count()   # what the build warns about is stored, and said again on every hit
     inventory = build(inputs["root"], inputs["ldcache"], parse_user(config.user), proc=proc,
                       deadline=config.deadline, search_path=inputs["search_path"], mps_dir=inputs["mps_dir"],
                       query=query)
@@ -415,7 +415,7 @@ def _build(config, inputs: dict, machine: dict, cached: dict | None, proc: str) 
         return inventory, None
     data, minors = inventory_to_json(inventory)
     record = {"inputs": inputs, "machine": machine, "nvml": asked, "watch": watch, "inventory": data,
-              "mig_minors": minors, "warnings": log._warnings[mark:]}
+              "mig_minors": minors, "warnings": log.warnings_since(mark)}
     return inventory, record
 
 

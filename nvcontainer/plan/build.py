@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass
 
 from .. import require
-from ..errors import NvcError
+from ..errors import NvcError, escape
 from ..inventory.model import DeviceNode, DriverFile, Gpu, Inventory
 from ..request import Request
-from ..selection import Selection, select
+from ..selection import Selection, allow_list, select
 from .container import COMPAT_DIR, ContainerFacts
 from .model import (DEVICE_OPTIONS, IPC_OPTIONS, LIBRARY_OPTIONS, PROC_OPTIONS, Device, File, Ldconfig, Mount,
                     Plan, Symlink, Tmpfs)
@@ -46,6 +46,7 @@ class PlanOptions:
     no_gsp_firmware: bool = False
     ldconfig: str = "@/sbin/ldconfig"
     cuda_compat_mode: str = "ldconfig"
+    allowed_devices: tuple[str, ...] | None = None   # config allowed-devices; None: every device
 
 
 def build_plan(
@@ -61,7 +62,7 @@ def build_plan(
 ) -> Plan:
     if not request.gpu:
         return Plan(gpu=False, rootfs=rootfs, pid=pid)
-    sel = _selection(request, inv)
+    sel, warnings = _selection(request, inv, options.allowed_devices)
     require.evaluate(
         request.requirements, inv.cuda_version, inv.driver_version,
         [(g.arch, g.brand, f"{g.index} ({g.uuid})") for g in sel.gpus],
@@ -125,7 +126,7 @@ def build_plan(
         devbind=not options.no_devbind,
         cgroups=not options.no_cgroups,
         owner=owner,
-        warnings=request.warnings,
+        warnings=request.warnings + warnings,
     )
 
 
@@ -139,13 +140,15 @@ class _Host:
         return self.root + path
 
 
-def _selection(request: Request, inv: Inventory) -> Selection:
+def _selection(request: Request, inv: Inventory, allowed: tuple[str, ...] | None) -> tuple[Selection, tuple[str, ...]]:
     tokens = ["all"] if request.devices == "all" else list(request.devices)
-    sel = select(inv, tokens)
+    allow = allow_list(inv, allowed)
+    sel = select(inv, tokens, allow)
     if (request.mig_config or request.mig_monitor) and sel.migs and not sel.all:
         which = "mig-config" if request.mig_config else "mig-monitor"
         raise NvcError(which, f"cannot enable {which} with specific MIG devices selected")
-    return sel
+    unknown = allow.unknown if allow is not None else ()
+    return sel, tuple(f"allowed-devices: {escape(t)} matches no device on this node" for t in unknown)
 
 
 def _device(host: _Host, node: DeviceNode) -> Device:
