@@ -27,6 +27,21 @@ class _Context:
 
         return cached_inventory(self.config, refresh=refresh)
 
+    def allow_list(self, inv):
+        """The config's ``allowed-devices`` against ``inv``; what it holds back goes to the debug
+        log (info's text form is upstream's and has no place for it)."""
+        from .selection import allow_list, held_back
+
+        allow = allow_list(inv, self.config.allowed_devices)
+        if allow is not None:
+            held = held_back(inv, allow)
+            log.info("allowed-devices holds back: "
+                     + (", ".join([f"GPU {g.index} ({g.uuid})" for g in held.gpus]
+                                  + [f"MIG device {m.parent}:{m.index} ({m.uuid})" for m in held.migs]) or "nothing"))
+            for token in allow.unknown:
+                log.warning(f"allowed-devices: {escape(token)} matches no device on this node")
+        return allow
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-r", "--root", metavar="PATH", help="Driver root: where the driver's files, ld cache and device nodes are looked up. [default: /]")
@@ -64,7 +79,11 @@ def info(obj: _Context, as_csv: bool, as_json: bool, refresh: bool) -> None:
     if as_csv and as_json:
         raise click.UsageError("--csv and --json are exclusive")
     inv = obj.inventory(refresh=refresh)
-    render = views.info_json if as_json else views.info_csv if as_csv else views.info_text
+    allow = obj.allow_list(inv)
+    if as_json:
+        sys.stdout.write(views.info_json(inv, allow))
+        return
+    render = views.info_csv if as_csv else views.info_text
     sys.stdout.write(render(inv))
 
 
@@ -87,7 +106,7 @@ def list_(obj: _Context, devices, libraries, binaries, ipcs, firmwares, compat32
           imex, no_persistenced, no_fabricmanager, no_gsp_firmware, as_json) -> None:
     """What a container would be given: device nodes, binaries, libraries, IPCs, firmware."""
     from . import views
-    from .selection import select, split_tokens
+    from .selection import held_back, select, split_tokens
 
     channels = parse_imex_channels(imex)
     with_config = views.check_mig_option("mig-config", mig_config)
@@ -101,9 +120,13 @@ def list_(obj: _Context, devices, libraries, binaries, ipcs, firmwares, compat32
     )
     tokens = split_tokens(devices)
     inv = obj.inventory()
-    sel = select(inv, tokens)
+    allow = obj.allow_list(inv)
+    sel = select(inv, tokens, allow)
     sections = views.list_sections(inv, sel, opts)
-    sys.stdout.write(views.list_json(sections) if as_json else views.list_text(sections))
+    if as_json:
+        sys.stdout.write(views.list_json(sections, views.held_back_paths(held_back(inv, allow))))
+        return
+    sys.stdout.write(views.list_text(sections))
 
 
 @cli.command()
@@ -245,6 +268,84 @@ def doctor(obj: _Context, as_json: bool, spec_dirs) -> None:
     failed = [c for c in report if c.verdict == checks.FAIL]
     if failed:
         raise NvcError("doctor", f"{len(failed)} check(s) failed: {', '.join(c.name for c in failed)}")
+
+
+@cli.group()
+def volume() -> None:
+    """Consolidated driver volumes (nvidia_<version>/ with bin, lib, lib64) for legacy images."""
+
+
+@volume.command("create")
+@click.argument("directory", required=False)
+@click.option("--capabilities", metavar="LIST", default="all", show_default=True,
+              help="Capability groups whose files go in (comma list of compute, utility, video, graphics, "
+                   "display, ngx, compat32, or all).")
+@click.pass_obj
+def volume_create(obj: _Context, directory, capabilities) -> None:
+    """Build DIRECTORY/nvidia_<driver version> from the driver's files. [default DIRECTORY: driver-volume-dir]"""
+    from . import volume as volumes
+    from .request import CAPABILITIES
+
+    wanted = {c.strip() for c in capabilities.split(",") if c.strip()}
+    if "all" in wanted:
+        wanted = set(CAPABILITIES)
+    unknown = sorted(wanted - set(CAPABILITIES))
+    if unknown or not wanted:
+        raise NvcError("input", f"--capabilities: unknown capability '{escape(unknown[0] if unknown else '', 40)}' "
+                                f"(known: {','.join(CAPABILITIES)}, all)")
+    groups = set(wanted) - {"compat32", "display"} | ({"graphics"} if "display" in wanted else set()) \
+        | ({"compute"} if "video" in wanted else set())
+    res = volumes.create(directory or obj.config.driver_volume_dir, obj.inventory(), frozenset(groups),
+                         "compat32" in wanted)
+    copied = f" ({res.copied} files copied: another filesystem than the driver's)" if res.copied else ""
+    sys.stdout.write(f"{'created' if res.created else 'unchanged'} {res.path}{copied}\n")
+
+
+@volume.command("list")
+@click.argument("directory", required=False)
+@click.pass_obj
+def volume_list(obj: _Context, directory) -> None:
+    """The volumes in DIRECTORY: version, path, number of entries."""
+    from . import volume as volumes
+
+    for v in volumes.list_volumes(directory or obj.config.driver_volume_dir):
+        sys.stdout.write(f"{v.version} {v.path} {v.files}\n")
+
+
+@volume.command("remove")
+@click.argument("directory")
+@click.argument("version")
+def volume_remove(directory, version) -> None:
+    """Remove DIRECTORY/nvidia_VERSION (running containers keep theirs)."""
+    from . import volume as volumes
+
+    sys.stdout.write(f"removed {volumes.remove(directory, version)}\n")
+
+
+@cli.command()
+@click.argument("engine", type=click.Choice(["runc", "docker", "containerd", "podman", "crio"]))
+@click.option("--dry-run", is_flag=True, help="Show what would change, as unified diffs; change nothing.")
+@click.option("--prefix", metavar="DIR", default="/", show_default=True, help="Install under DIR instead of /.")
+@click.option("--cdi", "with_cdi", is_flag=True, help="Also generate the CDI spec (/var/run/cdi/nvidia.yaml).")
+@click.option("--hook-path", metavar="PATH", help="nvcontainer-hook as engines will run it. [default: the installed one]")
+@click.pass_obj
+def setup(obj: _Context, engine, dry_run, prefix, with_cdi, hook_path) -> None:
+    """Install (or show) what ENGINE needs to run the hook or use CDI devices."""
+    import os
+
+    from . import setup as engines
+    from .cdi import commands
+
+    hook = hook_path or commands.default_hook_path()
+    spec = None
+    if with_cdi:
+        from .cdi import generate
+
+        opts = generate.Options(hook_path=hook, ldconfig=obj.config.ldconfig.removeprefix("@"))
+        spec = commands.generate_spec(obj.inventory(), opts, "yaml", None)
+    steps = engines.steps(engine, hook, os.path.dirname(hook), spec)
+    sys.stdout.write(engines.perform(steps, prefix=prefix, dry_run=dry_run,
+                                     stamp=time.strftime("%Y%m%dT%H%M%S")))
 
 
 def parse_imex_channels(values) -> tuple[int, ...]:

@@ -26,6 +26,13 @@ cuda-compat-mode                                           "ldconfig"           
 deadline                                                   30                    seconds for a whole hook run
 cache-dir                                                  "/run/nvcontainer"    root-only directory of the per-boot
                                                                                  driver inventory cache (absolute)
+driver-volume-dir                                          "/var/lib/nvcontainer/volumes"
+                                                                                 where `nvcontainer volume create`
+                                                                                 builds nvidia_<version>/ volumes for
+                                                                                 com.nvidia.volumes.needed images
+allowed-devices                                            unset: every device   the GPUs and MIG devices this node
+                                                                                 may hand out (device tokens, comma
+                                                                                 list or array); "all": every device
 
 ``cuda-compat-mode = "ldconfig"`` makes the image's ``/usr/local/cuda/compat`` libraries visible
 with an ``/etc/ld.so.conf.d`` drop-in inside the container, when they are newer than the host
@@ -51,6 +58,8 @@ MAX_DEADLINE = 3600
 _USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(?::[A-Za-z0-9_][A-Za-z0-9_.-]*)?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _COMPAT_MODES = ("ldconfig", "disabled")
+_DEVICE_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9:./-]{0,127}")
+MAX_ALLOWED = 1024
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,8 @@ class Config:
     cuda_compat_mode: str = "ldconfig"
     deadline: float = 30
     cache_dir: str = "/run/nvcontainer"
+    driver_volume_dir: str = "/var/lib/nvcontainer/volumes"
+    allowed_devices: tuple[str, ...] | None = None
 
     def with_overrides(self, *, root: str | None = None, ldcache: str | None = None,
                        debug: str | None = None, user: str | None = None) -> "Config":
@@ -164,6 +175,20 @@ def _deadline(value: object, key: str) -> float:
     return value
 
 
+def _device_tokens(value: object, key: str) -> tuple[str, ...] | None:
+    """Device tokens as in a request; they are matched against the GPUs when a container asks.
+    An empty list is a node that hands out no GPU at all (the driver only)."""
+    tokens = _list(value, key)
+    if len(tokens) > MAX_ALLOWED:
+        raise _bad(key, f"{len(tokens)} entries", f"at most {MAX_ALLOWED} device tokens")
+    for token in tokens:
+        if not _DEVICE_TOKEN.fullmatch(token):
+            raise _bad(key, token, "device tokens (an index, GPU-/MIG- UUID, PCI bus id, <gpu>:<mig> or all)")
+    if "all" in tokens:
+        return None
+    return tuple(dict.fromkeys(tokens))
+
+
 # TOML key -> (Config field, validator)
 _KEYS = {
     "root": ("root", _absolute),
@@ -180,6 +205,8 @@ _KEYS = {
     "cuda-compat-mode": ("cuda_compat_mode", _compat_mode),
     "deadline": ("deadline", _deadline),
     "cache-dir": ("cache_dir", _absolute),
+    "driver-volume-dir": ("driver_volume_dir", _absolute),
+    "allowed-devices": ("allowed_devices", _device_tokens),
 }
 
 

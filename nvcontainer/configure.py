@@ -95,4 +95,5 @@ def options_from_config(config: Config, **flags) -> PlanOptions:
         ldconfig=flags.get("ldconfig") or config.ldconfig,
         cuda_compat_mode=flags.get("cuda_compat_mode") or config.cuda_compat_mode,
         allowed_devices=config.allowed_devices,
+        driver_volume_dir=config.driver_volume_dir,
     )

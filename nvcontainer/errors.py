@@ -21,7 +21,10 @@ def escape(value: object, limit: int = _MAX_SHOWN) -> str:
     else:
         text = str(value)
     out = []
-    for ch in text:
+    for shown, ch in enumerate(text):
+        if shown >= limit:
+            out.append("...")
+            break
         code = ord(ch)
         if ch == "\\":
             out.append("\\\\")
@@ -37,9 +40,6 @@ def escape(value: object, limit: int = _MAX_SHOWN) -> str:
             out.append(f"\\u{code:04x}")
         else:
             out.append(f"\\U{code:08x}")
-        if len(out) > limit:
-            out.append("...")
-            break
     return "".join(out)
 
 

@@ -75,7 +75,8 @@ def prestart(opts: dict, dry_run: bool) -> int:
     state = oci.read_state(sys.stdin.fileno())
     spec = oci.read_spec(state.bundle)
     log.info(f"prestart: pid {state.pid}, bundle {state.bundle}")
-    request = request_from_env(spec.environ(), cfg, privileged=spec.privileged, mounts=spec.mounts)
+    request = request_from_env(spec.environ(), cfg, privileged=spec.privileged, mounts=spec.mounts,
+                               annotations=spec.annotations)
     if not request.gpu and not dry_run:
         # most containers on a shared node: done before the planning modules are even imported
         for w in request.warnings:

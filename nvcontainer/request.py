@@ -37,6 +37,8 @@ JETPACK_PREFIX = "NVIDIA_REQUIRE_JETPACK"   # a Tegra CSV switch, not a requirem
 IMEX_CHANNELS = "NVIDIA_IMEX_CHANNELS"
 MIG_CONFIG = "NVIDIA_MIG_CONFIG_DEVICES"
 MIG_MONITOR = "NVIDIA_MIG_MONITOR_DEVICES"
+VOLUMES_LABEL = "com.nvidia.volumes.needed"   # nvidia-docker 1 / Mesos image label
+DRIVER_VOLUME = "nvidia_driver"
 
 _HEX_ID = r"[0-9a-fA-F][0-9a-fA-F-]{0,35}"
 _DEVICE_FORMS = (
@@ -69,6 +71,7 @@ class Request:
     mig_config: str | None = None
     mig_monitor: str | None = None
     imex_channels: tuple[int, ...] = ()
+    driver_volume: bool = False
     warnings: tuple[str, ...] = ()
 
     @property
@@ -246,14 +249,27 @@ def _requirements(env: _Env, config: "Config", legacy: bool) -> tuple[str, ...]:
     return tuple(exprs)
 
 
+def _wants_driver_volume(annotations: Mapping[str, str]) -> bool:
+    value = annotations.get(VOLUMES_LABEL)
+    if not isinstance(value, str) or len(value) > MAX_VALUE:
+        return False
+    return DRIVER_VOLUME in value.replace(",", " ").split()
+
+
 def request_from_env(environ: Mapping[str, str], config: "Config", *, privileged: bool,
-                     mounts: Iterable["Mount"] = ()) -> Request:
+                     mounts: Iterable["Mount"] = (), annotations: Mapping[str, str] | None = None) -> Request:
     """The request an image's environment and mounts make, under the operator's ``config``.
 
     Nothing but the device list is read from a container that turns out not to be a GPU
     container, so malformed NVIDIA_* values cannot break containers that never asked for a GPU.
+
+    The legacy label ``com.nvidia.volumes.needed=nvidia_driver`` (an annotation) makes a GPU
+    container that gets the consolidated driver volume instead of per-file injection; its GPUs
+    are still the ones NVIDIA_VISIBLE_DEVICES names (set by the Mesos agent), none without it.
+    The label comes from the image, so it is refused exactly when the environment is.
     """
     env = _Env(environ)
+    volume = _wants_driver_volume(annotations or {})
     warnings: list[str] = []
     legacy = bool(environ.get("CUDA_VERSION")) and not environ.get("NVIDIA_REQUIRE_CUDA")
     unprivileged_refused = not privileged and not config.accept_envvar_unprivileged
@@ -268,6 +284,11 @@ def request_from_env(environ: Mapping[str, str], config: "Config", *, privileged
     if decision is not None and from_env and unprivileged_refused:
         warnings.append(f"ignoring {source} of an unprivileged container ({policy})")
         decision = None
+    if volume and unprivileged_refused:
+        warnings.append(f"ignoring {VOLUMES_LABEL} of an unprivileged container ({policy})")
+        volume = False
+    if decision is None and volume:
+        decision = "none"
     if decision is None:
         return Request(gpu=False, warnings=tuple(warnings))
     devices = decision if decision == "all" else () if decision == "none" else _device_ids(decision, source)
@@ -300,6 +321,7 @@ def request_from_env(environ: Mapping[str, str], config: "Config", *, privileged
         mig_config=mig_config,
         mig_monitor=mig_monitor,
         imex_channels=imex,
+        driver_volume=volume,
         warnings=tuple(warnings),
     )
 

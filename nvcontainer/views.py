@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .errors import NvcError
 from .inventory.model import Inventory
-from .selection import Selection
+from .selection import AllowList, Selection
 
 _INFO_FIELDS = ("Device Index", "Device Minor", "Model", "Brand", "GPU UUID", "Bus Location", "Architecture")
 
@@ -39,7 +39,9 @@ def info_csv(inv: Inventory) -> str:
     return "".join(out)
 
 
-def info_json(inv: Inventory) -> str:
+def info_json(inv: Inventory, allow: AllowList | None = None) -> str:
+    """``held_back``: the node's ``allowed-devices`` keeps this GPU (whole) or MIG device from
+    containers. A GPU allowed only through some of its MIG devices is not held back."""
     data = {
         "driver_version": inv.driver_version,
         "cuda_version": inv.cuda_version,
@@ -53,8 +55,10 @@ def info_json(inv: Inventory) -> str:
                 "bus_id": g.bus_id,
                 "architecture": g.arch,
                 "mig_enabled": g.mig_enabled,
+                "held_back": allow is not None and not allow.touches(g),
                 "mig_devices": [
-                    {"index": m.index, "uuid": m.uuid, "gpu_instance": m.gi, "compute_instance": m.ci}
+                    {"index": m.index, "uuid": m.uuid, "gpu_instance": m.gi, "compute_instance": m.ci,
+                     "held_back": allow is not None and not allow.permits(g, m)}
                     for m in g.migs
                 ],
             }
@@ -141,8 +145,15 @@ def list_text(sections: dict[str, list[str]]) -> str:
     return "".join(f"{p}\n" for paths in sections.values() for p in paths)
 
 
-def list_json(sections: dict[str, list[str]]) -> str:
-    return json.dumps(sections, indent=2) + "\n"
+def held_back_paths(held: Selection) -> list[str]:
+    """The device nodes of held-back GPUs and the access files of held-back MIG devices."""
+    return [g.node.path for g in held.gpus] + [m.ci_access for m in held.migs]
+
+
+def list_json(sections: dict[str, list[str]], held_back: list[str] = ()) -> str:
+    """The sections, and ``held_back``: what ``allowed-devices`` keeps from containers (the text
+    form has no room for it without breaking upstream's one-path-a-line format)."""
+    return json.dumps({**sections, "held_back": list(held_back)}, indent=2) + "\n"
 
 
 def check_mig_option(name: str, value: str | None) -> bool:

@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from .. import require
+from .. import require, volume
 from ..errors import NvcError, escape
 from ..inventory.model import DeviceNode, DriverFile, Gpu, Inventory
 from ..request import Request
@@ -47,6 +47,7 @@ class PlanOptions:
     ldconfig: str = "@/sbin/ldconfig"
     cuda_compat_mode: str = "ldconfig"
     allowed_devices: tuple[str, ...] | None = None   # config allowed-devices; None: every device
+    driver_volume_dir: str = "/var/lib/nvcontainer/volumes"   # config driver-volume-dir
 
 
 def build_plan(
@@ -80,10 +81,18 @@ def build_plan(
     if "graphics" in libgroups:
         tmpfs.append(_app_profile(sel.gpus))
 
-    mounts += [Mount(host(b.path), f"/usr/bin/{os.path.basename(b.path)}", LIBRARY_OPTIONS)
-               for b in inv.binaries if b.group in request.binary_groups]
     libs = [lib for lib in inv.libraries if lib.group in libgroups]
     libs32 = [lib for lib in inv.libraries32 if lib.group in libgroups] if "compat32" in caps else []
+    if request.driver_volume:
+        # a legacy image: the operator's consolidated volume as one directory, links included
+        lib_dirs = [f"{volume.CONTAINER_PATH}/lib64"] + ([f"{volume.CONTAINER_PATH}/lib"] if libs32 else [])
+        libs, libs32 = [], []
+        source = os.path.join(options.driver_volume_dir, volume.PREFIX + inv.driver_version)
+        mounts.append(Mount(source, volume.CONTAINER_PATH, LIBRARY_OPTIONS, kind="dir"))
+    else:
+        lib_dirs = [container.libs_dir] + ([container.libs32_dir] if libs32 else [])
+    mounts += [Mount(host(b.path), f"/usr/bin/{os.path.basename(b.path)}", LIBRARY_OPTIONS)
+               for b in inv.binaries if b.group in request.binary_groups and not request.driver_volume]
     mounts += [Mount(host(lib.path), f"{container.libs_dir}/{os.path.basename(lib.path)}", LIBRARY_OPTIONS)
                for lib in libs]
     mounts += [Mount(host(lib.path), f"{container.libs32_dir}/{os.path.basename(lib.path)}", LIBRARY_OPTIONS)
@@ -110,7 +119,7 @@ def build_plan(
     symlinks += _symlinks(libs32, container.libs32_dir, frozenset(), inv.driver_version)
     files, compat_dirs = _compat(container, inv.driver_version, options.cuda_compat_mode, "compute" in libgroups)
 
-    ld_dirs = [*compat_dirs, container.libs_dir] + ([container.libs32_dir] if libs32 else [])
+    ld_dirs = [*compat_dirs, *lib_dirs]
     rules = list(dict.fromkeys([d.rule for d in devices] + extra_rules))
     return Plan(
         gpu=True,
@@ -147,6 +156,13 @@ def _selection(request: Request, inv: Inventory, allowed: tuple[str, ...] | None
     if (request.mig_config or request.mig_monitor) and sel.migs and not sel.all:
         which = "mig-config" if request.mig_config else "mig-monitor"
         raise NvcError(which, f"cannot enable {which} with specific MIG devices selected")
+    if (request.mig_config or request.mig_monitor) and allow is not None:
+        # MIG control reaches every MIG device of a GPU: only for GPUs this node may hand out whole
+        partial = [g.index for g in sel.gpus if not allow.permits(g)]
+        if partial:
+            which = "mig-config" if request.mig_config else "mig-monitor"
+            raise NvcError(which, f"GPU {partial[0]}: only some of its MIG devices are allowed on this node "
+                                  "(allowed-devices)")
     unknown = allow.unknown if allow is not None else ()
     return sel, tuple(f"allowed-devices: {escape(t)} matches no device on this node" for t in unknown)
 

@@ -1,0 +1,97 @@
+"""``nvcontainer setup ENGINE``: files written atomically with backups and diffs, never blindly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nvcontainer import doctor, setup
+from nvcontainer.errors import NvcError
+
+HOOK = "/opt/nvc/bin/nvcontainer-hook"
+CLI = [sys.executable, "-m", "nvcontainer"]
+
+
+@pytest.mark.parametrize("engine", ["podman", "crio"])
+def test_hooks_d_file_is_installed_and_doctor_sees_it(tmp_path, engine):
+    s = setup.steps(engine, HOOK, "/opt/nvc/bin")
+    dry = setup.perform(s, prefix=str(tmp_path), dry_run=True, stamp="T")
+    assert dry.startswith("would write ") and f'+    "path": "{HOOK}",' in dry
+    assert not any(tmp_path.iterdir())   # a dry run writes nothing
+    report = setup.perform(s, prefix=str(tmp_path), stamp="T")
+    (f,) = s.files
+    written = json.loads((tmp_path / f.path.lstrip("/")).read_text())
+    assert written["hook"] == {"path": HOOK, "args": ["nvcontainer-hook", "prestart"]}
+    assert written["stages"] == ["prestart"] and written["when"] == {"always": True}
+    assert report.startswith(f"wrote {f.path}\n")
+    assert [what for _, what, _ in doctor.registrations(str(tmp_path))] == [f"nvcontainer hook {HOOK}"]
+    assert setup.perform(s, prefix=str(tmp_path), stamp="U").startswith(f"unchanged {f.path}")
+
+
+def test_an_operators_file_is_backed_up_and_diffed(tmp_path):
+    s = setup.steps("podman", HOOK, "/opt/nvc/bin")
+    (f,) = s.files
+    path = tmp_path / f.path.lstrip("/")
+    path.parent.mkdir(parents=True)
+    path.write_text('{"mine": true}\n')
+    report = setup.perform(s, prefix=str(tmp_path), stamp="20240101T000000")
+    assert (tmp_path / (f.path.lstrip("/") + ".bak-20240101T000000")).read_text() == '{"mine": true}\n'
+    assert '-{"mine": true}' in report and "previous contents in" in report
+    assert json.loads(path.read_text())["hook"]["path"] == HOOK
+    assert sorted(os.listdir(path.parent)) == [path.name, path.name + ".bak-20240101T000000"]   # no temporary
+
+
+def test_a_symlink_in_place_of_the_file_is_refused(tmp_path):
+    s = setup.steps("crio", HOOK, "/opt/nvc/bin")
+    (f,) = s.files
+    path = tmp_path / f.path.lstrip("/")
+    path.parent.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    os.symlink(victim, path)
+    with pytest.raises(NvcError, match="not a regular file"):
+        setup.perform(s, prefix=str(tmp_path), stamp="T")
+    assert victim.read_text() == "keep\n"
+
+
+def test_docker_links_the_drop_in_name_and_prints_the_daemon_fragment(tmp_path):
+    s = setup.steps("docker", HOOK, "/opt/nvc/bin")
+    report = setup.perform(s, prefix=str(tmp_path), stamp="T")
+    link = tmp_path / "usr/local/bin/nvidia-container-runtime-hook"
+    assert os.readlink(link) == "/opt/nvc/bin/nvidia-container-runtime-hook"
+    assert "merge into /etc/docker/daemon.json:" in report and '"cdi": true' in report
+    assert not (tmp_path / "etc/docker/daemon.json").exists()   # the operator's file is left alone
+    assert "unchanged" in setup.perform(s, prefix=str(tmp_path), stamp="T2")
+    # someone else's program under that name is kept as a backup, not overwritten
+    os.unlink(link)
+    link.write_text("#!/bin/sh\n")
+    report = setup.perform(s, prefix=str(tmp_path), stamp="T3")
+    assert "kept as /usr/local/bin/nvidia-container-runtime-hook.bak-T3" in report
+    assert (tmp_path / "usr/local/bin/nvidia-container-runtime-hook.bak-T3").read_text() == "#!/bin/sh\n"
+
+
+def test_containerd_and_runc_print_fragments_only(tmp_path):
+    for engine, needle in (("containerd", "enable_cdi = true"), ("runc", f'"path": "{HOOK}"')):
+        report = setup.perform(setup.steps(engine, HOOK, "/opt/nvc/bin"), prefix=str(tmp_path), stamp="T")
+        assert needle in report
+    assert not any(tmp_path.iterdir())
+
+
+def test_cdi_spec_is_one_more_file():
+    s = setup.steps("containerd", HOOK, "/opt/nvc/bin", cdi_spec="cdiVersion: 0.5.0\n")
+    assert [f.path for f in s.files] == [setup.CDI_SPEC]
+    assert not any("--cdi" in n for n in s.notes)
+
+
+def test_cli_dry_run(tmp_path):
+    res = subprocess.run([*CLI, "setup", "podman", "--dry-run", "--prefix", str(tmp_path), "--hook-path", HOOK],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "+++ /etc/containers/oci/hooks.d/oci-nvcontainer-hook.json" in res.stdout
+    assert not any(tmp_path.iterdir())
+    bad = subprocess.run([*CLI, "setup", "lxc"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1
