@@ -278,15 +278,23 @@ def _placeholder(dfd: int, name: str, kind: str, undo: _Undo, guard: _HostGuard)
             raise OSError(20, "a non-directory is in the way")
     if st is not None and not want_dir and not stat.S_ISREG(st.st_mode):
         guard.check(dfd)
-        os.unlink(name, dir_fd=dfd)
+        try:
+            os.unlink(name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass   # another run on the same rootfs got there first
         st = None
     if st is None:
         guard.check(dfd)
-        if want_dir:
-            os.mkdir(name, 0o755, dir_fd=dfd)
-        else:
-            os.close(inroot.create_file_at(dfd, name, 0o644))
-        undo.created_entry(dfd, name, want_dir)
+        try:
+            if want_dir:
+                os.mkdir(name, 0o755, dir_fd=dfd)
+            else:
+                os.close(inroot.create_file_at(dfd, name, 0o644))
+            undo.created_entry(dfd, name, want_dir)
+        except FileExistsError:
+            # Another container starting from the same rootfs created it since we looked: the
+            # type check below decides whether it will do, and it is not ours to remove.
+            pass
     fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECTORY if want_dir else 0), dir_fd=dfd)
     st = os.fstat(fd)
     if stat.S_ISDIR(st.st_mode) != want_dir or (not want_dir and not stat.S_ISREG(st.st_mode)):
@@ -297,18 +305,26 @@ def _placeholder(dfd: int, name: str, kind: str, undo: _Undo, guard: _HostGuard)
 
 def _symlink(root: int, action: dict, undo: _Undo, guard: _HostGuard, warnings: list[str]) -> None:
     dfd, name = _parent(root, action["target"], undo, guard)
-    st = inroot.inspect_at(dfd, name)
-    if st is not None:
-        if stat.S_ISLNK(st.st_mode):
+    for _attempt in range(3):   # runs sharing a rootfs may create or replace it concurrently
+        st = inroot.inspect_at(dfd, name)
+        if st is not None:
+            if not stat.S_ISLNK(st.st_mode):
+                warnings.append(f"{action['target']} exists and is not a symlink: left as it is")
+                return
             if os.readlink(name, dir_fd=dfd) == action["link"]:
                 return
             guard.check(dfd)
-            os.unlink(name, dir_fd=dfd)
-        else:
-            warnings.append(f"{action['target']} exists and is not a symlink: left as it is")
+            try:
+                os.unlink(name, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+        guard.check(dfd)
+        try:
+            inroot.symlink_at(dfd, name, action["link"])
             return
-    guard.check(dfd)
-    inroot.symlink_at(dfd, name, action["link"])
+        except FileExistsError:
+            continue
+    raise OSError(17, "keeps changing while being replaced")
 
 
 def _file(root: int, action: dict, undo: _Undo, guard: _HostGuard) -> None:
