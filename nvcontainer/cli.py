@@ -355,7 +355,7 @@ def parse_imex_channels(values) -> tuple[int, ...]:
             token = token.strip()
             if not token:
                 continue
-            if not token.isdigit() or len(token) > 7 or int(token) >= 1 << 20:
+            if not (token.isascii() and token.isdigit()) or len(token) > 7 or int(token) >= 1 << 20:
                 raise NvcError("input", f"unsupported IMEX channel value: {escape(token)}")
             out[int(token)] = None
     return tuple(out)

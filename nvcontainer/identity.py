@@ -39,7 +39,7 @@ def parse_user(value: str | None) -> tuple[int, int]:
 
 
 def _uid(token: str, whole: str) -> tuple[int, int | None]:
-    if token.isdigit():
+    if token.isascii() and token.isdigit():
         uid = int(token)
         try:
             return uid, pwd.getpwuid(uid).pw_gid
@@ -53,7 +53,7 @@ def _uid(token: str, whole: str) -> tuple[int, int | None]:
 
 
 def _gid(token: str, whole: str) -> int:
-    if token.isdigit():
+    if token.isascii() and token.isdigit():
         return int(token)
     try:
         return grp.getgrnam(token).gr_gid

@@ -143,7 +143,7 @@ def _match(inv: Inventory, token: str) -> tuple[Gpu, MigDevice | None]:
         for gpu in inv.gpus:
             if gpu.bus_id.startswith(wanted):
                 return gpu, None
-    if token.isdigit() and len(token) <= 4 and int(token) < len(inv.gpus):
+    if token.isascii() and token.isdigit() and len(token) <= 4 and int(token) < len(inv.gpus):
         return inv.gpus[int(token)], None
     pair = _MIG_PAIR_RE.match(token)
     if pair:

@@ -160,6 +160,8 @@ def test_list_mig_device(fake_machine_factory):
 def test_unknown_device_is_one_line(fake_machine):
     assert fails(fake_machine, "list", "-d", "7") == "nvcontainer: device error: 7: unknown device"
     assert fails(fake_machine, "list", "-d", "0,GPU-nope") == "nvcontainer: device error: GPU-nope: unknown device"
+    # str.isdigit() is true for '²', which int() refuses: non-ASCII digits must not crash
+    assert fails(fake_machine, "list", "-d", "\u00b2") == "nvcontainer: device error: \u00b2: unknown device"
 
 
 def test_hostile_device_token_is_escaped(fake_machine):

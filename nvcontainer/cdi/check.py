@@ -131,7 +131,7 @@ def running(proc: str = "/proc") -> Running:
     gpus = []
     for bus in procfs.gpu_bus_dirs(proc):
         minor = procfs.gpu_information(proc, bus).get("Device Minor", "")
-        if minor.isdigit():
+        if minor.isascii() and minor.isdigit():
             gpus.append((int(minor), bus))
     return Running(procfs.driver_version(proc), tuple(sorted(gpus)))
 

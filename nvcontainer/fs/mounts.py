@@ -167,7 +167,7 @@ def _unescape(field: str) -> str:
         return field
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
+        if field[i] == "\\" and field[i + 1 : i + 4].isascii() and field[i + 1 : i + 4].isdigit():
             out.append(chr(int(field[i + 1 : i + 4], 8)))
             i += 4
         else:
@@ -193,7 +193,7 @@ def parse_mountinfo(text: str) -> dict[int, MountEntry]:
         propagation = {}
         for tag in fields[6:sep]:
             key, _, group = tag.partition(":")
-            propagation[key] = int(group) if group.isdigit() else 0
+            propagation[key] = int(group) if group.isascii() and group.isdigit() else 0
         entries[mnt_id] = MountEntry(
             mnt_id, parent_id, _unescape(fields[4]), frozenset(fields[5].split(",")), propagation, fstype
         )
@@ -215,7 +215,7 @@ def filesystems_in(text: str) -> frozenset[int]:
     for line in text.split("\n"):
         fields = line.split(" ", 3)
         major, sep, minor = fields[2].partition(":") if len(fields) > 3 else ("", "", "")
-        if sep and major.isdigit() and minor.isdigit():
+        if sep and major.isascii() and major.isdigit() and minor.isascii() and minor.isdigit():
             devs.add(os.makedev(int(major), int(minor)))
     return frozenset(devs)
 

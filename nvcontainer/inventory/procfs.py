@@ -63,7 +63,7 @@ def char_majors(proc: str = "/proc") -> dict[str, int]:
         if line.startswith("Block devices:"):
             break
         parts = line.split()
-        if in_char and len(parts) == 2 and parts[0].isdigit():
+        if in_char and len(parts) == 2 and parts[0].isascii() and parts[0].isdigit():
             majors.setdefault(parts[1], int(parts[0]))
     return majors
 
@@ -109,6 +109,6 @@ def mig_minors(proc: str = "/proc") -> tuple[tuple[str, int], ...]:
     out = []
     for line in text.splitlines()[:MAX_ENTRIES * 4]:
         parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit():
+        if len(parts) == 2 and parts[1].isascii() and parts[1].isdigit():
             out.append((parts[0], int(parts[1])))
     return tuple(out)
