@@ -321,7 +321,9 @@ class Cgroup:
         return attached_programs(self.path)
 
     def remove(self) -> None:
-        for _ in range(200):
+        """rmdir, waiting up to 10 s for processes that are still exiting; a cgroup that stays
+        busy is a leftover the case must answer for."""
+        for _ in range(500):
             try:
                 self.path.rmdir()
                 return
@@ -329,6 +331,7 @@ class Cgroup:
                 return
             except OSError:
                 time.sleep(0.02)
+        raise AssertionError(f"cgroup {self.path} still busy: processes {self.procs.read_text().split()}")
 
 
 class Probe:
