@@ -113,9 +113,7 @@ def main(argv: list[str]) -> int:
         _run(sub, opts)
         return 0
     except NvcError as exc:
-        log.error(exc.line(PROG))
-        sys.stderr.write(exc.line(PROG) + "\n")
-        return 1
+        return log.fail(exc, PROG)
     finally:
         log.close()
 

@@ -365,9 +365,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     try:
         cli.main(args=argv, prog_name=prog, standalone_mode=False)
     except NvcError as exc:
-        log.error(exc.line(prog))
-        sys.stderr.write(exc.line(prog) + "\n")
-        return 1
+        return log.fail(exc, prog)
     except click.exceptions.Abort:
         sys.stderr.write(f"{prog}: interrupted\n")
         return 1

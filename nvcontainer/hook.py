@@ -128,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return prestart(opts, dry_run)
     except NvcError as exc:
-        log.error(exc.line(PROG))
-        sys.stderr.write(exc.line(PROG) + "\n")
-        return 1
+        return log.fail(exc, PROG)
     finally:
         log.close()
 

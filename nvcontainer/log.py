@@ -80,5 +80,14 @@ def warning_count() -> int:
     return len(_warnings)
 
 
+def fail(exc, prog: str) -> int:
+    """Report an ``NvcError`` the one way every entry point does: the trace, then one line on
+    stderr; returns the exit status."""
+    line = exc.line(prog)
+    _emit("E", line, 2)
+    sys.stderr.write(line + "\n")
+    return 1
+
+
 def error(msg: str) -> None:
     _emit("E", msg, 2)

@@ -30,13 +30,7 @@ echo "DONE:ok"
 """
 
 
-def parse(stdout: str) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for line in stdout.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.isupper():
-            out.setdefault(key, []).append(value.strip())
-    return out
+parse = runtime.parse_facts
 
 
 def host_mounts() -> list[str]:

@@ -439,13 +439,7 @@ def expected_rules(machine, gpus: Sequence[int] = (0,)) -> set[str]:
     return rules
 
 
-def parse_facts(stdout: str) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for line in stdout.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.isupper():
-            out.setdefault(key, []).append(value.strip())
-    return out
+parse_facts = rt.parse_facts
 
 
 # --- one run ----------------------------------------------------------------------------------
