@@ -677,8 +677,13 @@ def race_image(rootfs: Path) -> None:
 # the hook or the container once a marker line shows up in the hook's debug log (``fault``),
 # records again, and exits with the last status.
 _WRAPPER = r"""
-import json, os, signal, subprocess, sys, threading, time
+import ctypes, json, os, signal, subprocess, sys, threading, time
 out, host_pid, opts, argv = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4:]
+# A subreaper: the workers of a hook killed under us become our children, not the runtime's.
+# crun 1.8 waits for a hook with sigtimedwait() and keeps only a SIGCHLD whose si_pid is the
+# hook's; a reparented worker dying as we exit can take the one pending SIGCHLD slot, and crun
+# would then wait out the hook's whole timeout.
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 raw = sys.stdin.buffer.read()
 pid = json.loads(raw)["pid"]
 def read(path):
@@ -771,6 +776,14 @@ if sampler:
     rec["sample"] = json.loads(sampler.communicate(timeout=30)[0].strip().splitlines()[-1])
 rec.update(after=read(f"/proc/{pid}/mountinfo"), runtime_after=read("/proc/self/mountinfo"),
            host=read(f"/proc/{host_pid}/mountinfo"), devices_after=devices(), rc=rc)
+# reap the orphans (they die with the hook through PDEATHSIG) before the runtime sees us exit
+signal.alarm(30)
+while True:
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+signal.alarm(0)
 with open(out, "w") as fh:
     json.dump(rec, fh)
 sys.stderr.write(rec["runs"][-1]["stderr"] if rec["runs"] else "")
