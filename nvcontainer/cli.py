@@ -270,6 +270,21 @@ def doctor(obj: _Context, as_json: bool, spec_dirs) -> None:
         raise NvcError("doctor", f"{len(failed)} check(s) failed: {', '.join(c.name for c in failed)}")
 
 
+@cli.command()
+@click.option("--socket", "socket_path", metavar="PATH", default="/run/nvcontainer/hook.sock", show_default=True,
+              help="Where to listen (in a directory only root may enter; the socket is 0600).")
+@click.pass_obj
+def serve(obj: _Context, socket_path: str) -> None:
+    """Run hooks warm: a resident helper that nvcontainer-hook hands its runs to."""
+    from . import serve as server
+
+    def ready(status: str) -> None:
+        sys.stderr.write(f"{PROG} serve: listening on {escape(socket_path)}; {status}\n")
+        sys.stderr.flush()
+
+    server.serve(socket_path, obj.config, ready=ready)
+
+
 @cli.group()
 def volume() -> None:
     """Consolidated driver volumes (nvidia_<version>/ with bin, lib, lib64) for legacy images."""

@@ -16,17 +16,20 @@ import time
 PROG = "nvcontainer-hook"
 
 USAGE = f"""usage: {PROG} [--root PATH] [--ldcache FILE] [--debug FILE] [--user UID[:GID]] [--config FILE]
-                        [--dry-run] prestart|poststart|poststop
+                        [--socket PATH] [--dry-run] prestart|poststart|poststop
 
 Reads the OCI state on stdin and injects the GPUs the container's NVIDIA_VISIBLE_DEVICES asks for.
 --dry-run prints the plan as JSON ({{"gpu": false}} when the container asks for no GPU).
+--socket: where a resident `nvcontainer serve` listens (default /run/nvcontainer/hook.sock; '' for
+none); when one does, it does the run, with the same result, warm.
 
 CDI hooks (named in specs from `nvcontainer cdi generate`; see their --help):
        {PROG} create-symlinks|update-ldcache|disable-device-node-modification ...
 """
 CDI_HOOKS = ("create-symlinks", "update-ldcache", "disable-device-node-modification")
 
-_VALUED = {"--root": "root", "--ldcache": "ldcache", "--debug": "debug", "--user": "user", "--config": "config"}
+_VALUED = {"--root": "root", "--ldcache": "ldcache", "--debug": "debug", "--user": "user", "--config": "config",
+           "--socket": "socket"}
 _SHORT = {"-r": "--root", "-l": "--ldcache", "-d": "--debug", "-u": "--user"}
 
 
@@ -97,13 +100,21 @@ def prestart(opts: dict, dry_run: bool) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, serve: bool = True) -> int:
+    """``serve``: first offer the run to a resident ``nvcontainer serve`` (:mod:`.hookclient`);
+    false in the server's own children and where the caller already asked it."""
+    argv = sys.argv[1:] if argv is None else argv
+    if serve and argv[-1:] == ["prestart"]:
+        from .hookclient import forward
+
+        status = forward(argv)
+        if status is not None:
+            return status
     # A hook run is short and leaves no cycles worth collecting, yet the collector would walk the
     # tens of thousands of objects the imports create, again and again (about 5% of a run).
     gc.disable()
     from .errors import NvcError
 
-    argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in CDI_HOOKS:
         from .cdi_hooks import main as cdi_hook
 
@@ -158,4 +169,5 @@ def main_nvidia_container_runtime_hook(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m nvcontainer.hook``: what hookclient runs when no server took the request
+    sys.exit(main(serve=False))

@@ -1,0 +1,136 @@
+"""The hook's fast path: hand the run to a resident ``nvcontainer serve`` when one is listening.
+
+A container start waits for the hook, and most of a cold hook run is the interpreter importing
+the code it is about to run (see docs/performance.md). A resident server has everything
+imported and the inventory warm; this client only passes it what the hook would have had:
+its argv, two variables of its environment, and its stdin, stdout, stderr and working
+directory as file descriptors (``SCM_RIGHTS``). The server forks, reads the OCI state from
+that very stdin and runs the same ``nvcontainer-hook`` code, so output, exit status, errors and
+``--debug`` traces are the same as in-process; only the time differs.
+
+When nothing listens, or the server declines (it runs in another mount, PID, cgroup or user
+namespace or another root than this hook, so the container's PID or paths would mean
+something else to it), the run happens here, in this process, exactly as without a server.
+The server declines before it reads anything, so the state on stdin is still unread then.
+
+This module imports nothing but built-in modules (``_socket``, ``os``, ``sys``) and may be run
+as a script with ``python -I -S`` (no ``site``): registration files written by
+``nvcontainer setup`` do that, which makes the client start in about the time of a bare
+interpreter. Run that way it falls back by executing ``python -I -m nvcontainer.hook``.
+"""
+
+import _socket
+import os
+import sys
+
+SOCKET = "/run/nvcontainer/hook.sock"
+MAGIC = b"NVC1"
+ENV = ("PATH", "CUDA_MPS_PIPE_DIRECTORY")   # what the hook's code reads from its environment
+MAX_REQUEST = 64 << 10
+MAX_FDS = 4
+REPLY_TIMEOUT = 600.0   # the server bounds every run by its deadline; this only bounds a wedged server
+PROG = "nvcontainer-hook"
+
+
+def socket_path(argv):
+    """``--socket PATH`` among the global options (before the stage word), else the default;
+    ``--socket ''`` turns the fast path off."""
+    path = SOCKET
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--socket" and i + 1 < len(argv):
+            path = argv[i + 1]
+            i += 2
+            continue
+        if arg.startswith("--socket="):
+            path = arg[len("--socket="):]
+        elif not arg.startswith("-"):
+            break
+        i += 1
+    return path
+
+
+def encode_request(argv, env):
+    """``NVC1 <pid> <nargs> <nenv>\\n`` then the arguments and ``NAME=value`` pairs, each ending
+    in NUL. Nothing here can hold a NUL (argv and environ are C strings)."""
+    head = b"%s %d %d %d\n" % (MAGIC, os.getpid(), len(argv), len(env))
+    return head + b"".join(os.fsencode(s) + b"\0" for s in (*argv, *env))
+
+
+def decode_request(data):
+    """(client pid, argv, env) from :func:`encode_request`'s bytes; ValueError if malformed."""
+    head, sep, rest = data.partition(b"\n")
+    parts = head.split(b" ")
+    if not sep or len(parts) != 4 or parts[0] != MAGIC or not all(p.isdigit() and len(p) < 10 for p in parts[1:]):
+        raise ValueError("bad request header")
+    pid, nargs, nenv = (int(p) for p in parts[1:])
+    fields = rest.split(b"\0")
+    if fields[-1] != b"" or len(fields) != nargs + nenv + 1:
+        raise ValueError("bad request body")
+    strings = [os.fsdecode(f) for f in fields[:-1]]
+    env = {}
+    for pair in strings[nargs:]:
+        name, eq, value = pair.partition("=")
+        if not eq or name not in ENV:
+            raise ValueError("bad environment entry")
+        env[name] = value
+    return pid, strings[:nargs], env
+
+
+def forward(argv):
+    """The exit status of the run done by the server, or None when no server took it."""
+    path = socket_path(argv)
+    if not path:
+        return None
+    try:
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            sock.connect(path)
+            cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        env = ["%s=%s" % (name, os.environ[name]) for name in ENV if name in os.environ]
+        fds = b"".join(fd.to_bytes(4, sys.byteorder) for fd in (0, 1, 2, cwd))
+        try:
+            sock.sendmsg([encode_request(argv, env)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
+        except OSError:
+            return None   # e.g. a closed stdio fd: the in-process run reports it its own way
+        finally:
+            os.close(cwd)
+        sock.settimeout(REPLY_TIMEOUT)
+        try:
+            reply = sock.recv(4096)
+        except OSError as exc:
+            reply = ("no answer (%s)" % (exc.strerror or "timed out")).encode()
+    finally:
+        sock.close()
+    if reply.startswith(b"declined "):
+        return None
+    if reply.startswith(b"rc ") and reply[3:].isdigit() and len(reply) < 8:
+        return int(reply[3:])
+    detail = reply.decode("ascii", "replace") if reply.isascii() and reply.isprintable() else "no answer"
+    os.write(2, ("%s: error: nvcontainer serve at %s: %s\n" % (PROG, path, detail or "no answer")).encode())
+    return 1
+
+
+def main():
+    argv = sys.argv[1:]
+    status = forward(argv)
+    if status is not None:
+        os._exit(status)
+    # Nobody took it: the full hook, in a fresh interpreter (this one runs without site, so it
+    # cannot import the package). -I keeps the environment's PYTHON* variables out.
+    exe = sys.executable
+    try:
+        os.execv(exe, [exe, "-I", "-m", "nvcontainer.hook", *argv])
+    except OSError as exc:
+        os.write(2, ("%s: error: cannot run %s: %s\n" % (PROG, exe, exc.strerror)).encode())
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    main()

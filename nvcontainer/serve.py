@@ -1,0 +1,336 @@
+"""``nvcontainer serve``: a resident, root-only helper that runs hook requests warm.
+
+Why: a cold hook spends most of its time starting an interpreter and importing the code it is
+about to run; the work itself (mounts, cgroup, ldconfig) is a fraction. This process imports
+that code once, builds the inventory cache once, and then forks one short-lived child per
+request (see :mod:`.hookclient` for the client and the wire format). The child runs the very
+code of ``nvcontainer-hook`` on the client's own stdin, stdout, stderr and working directory,
+so a served run and an in-process run cannot differ in what they do or say.
+
+What keeps it from being a new way in:
+
+* the socket lives in a root-owned 0700 directory and is 0600; the peer must be uid 0
+  (``SO_PEERCRED``), i.e. someone who could run the hook anyway;
+* it declines, before reading anything, a client that does not share its mount, PID, cgroup
+  and user namespaces and its root directory: the container's PID, the bundle path and the
+  driver files would name different things here. The client then runs the hook itself;
+* the client says which PID it has; it must be the one the kernel reports, or the PID
+  namespaces differ in a way the namespace check could miss;
+* each request runs in a fresh child (a crash or a hang there is that request's alone), which
+  is killed the moment its client goes away: runtimes SIGKILL only the hook on their timeout,
+  and the child's workers die with it (``PR_SET_PDEATHSIG``);
+* this process stays single-threaded, takes nothing from the client's environment but the two
+  variables the hook reads, and bounds the request (64 KiB, four fds).
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import select
+import signal
+import socket
+import stat
+import struct
+import sys
+
+from . import hookclient, log
+from .errors import NvcError, escape
+
+MAX_CHILDREN = 256
+BACKLOG = 256
+REQUEST_TIMEOUT = 10.0   # for the request message to arrive after connect
+_NAMESPACES = ("mnt", "pid", "cgroup", "user")
+
+
+def preload() -> None:
+    """Import everything a GPU request touches, so that no child pays for an import."""
+    from . import config, configure, hook, oci, request, require  # noqa: F401
+    from .apply import execute, ldconfig, mounter, pin, worker  # noqa: F401
+    from .cgroups import bpf, locate, rules, v1, v2  # noqa: F401
+    from .inventory import cache  # noqa: F401
+    from .plan import build, container, model  # noqa: F401
+
+
+def warm(cfg) -> str:
+    """Build (or check) the inventory cache for ``cfg`` now, so the first container does not pay
+    NVML. A failure is reported and left to the requests to meet."""
+    from .inventory.cache import cached_inventory
+
+    try:
+        inventory = cached_inventory(cfg)
+    except NvcError as exc:
+        return f"inventory not ready: {exc.detail}"
+    return f"inventory ready: driver {inventory.driver_version}, {len(inventory.gpus)} GPU(s)"
+
+
+# --- the listening socket ----------------------------------------------------------------------
+
+
+def listen(path: str) -> socket.socket:
+    """Bind ``path`` in a directory only root may enter. A stale socket (nobody answers) is
+    replaced; a live one means another server runs, which is an error."""
+    if not path.startswith("/"):
+        raise NvcError("input", f"--socket must be an absolute path: {escape(path)}")
+    directory = os.path.dirname(path)
+    _private_dir(directory)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise NvcError("input", f"{escape(path)} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)   # stale: left by a server that did not stop cleanly
+        else:
+            raise NvcError("input", f"another nvcontainer serve is listening on {escape(path)}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise NvcError("input", f"cannot listen on {escape(path)}: {exc.strerror}") from None
+    finally:
+        os.umask(old)
+    sock.listen(BACKLOG)
+    return sock
+
+
+def _private_dir(path: str) -> None:
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise NvcError("input", f"cannot create {escape(path)}: {exc.strerror}") from None
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise NvcError("input", f"{escape(path)} must be a directory of uid {os.geteuid()} "
+                                f"that nobody else may write to")
+
+
+# --- the loop --------------------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    pass
+
+
+def serve(path: str, cfg, *, ready=None) -> int:
+    """Serve until SIGTERM or SIGINT. ``ready`` (a callable) is told once requests are taken."""
+    preload()
+    status = warm(cfg)
+    log.info(status)
+    sock = listen(path)
+    mine = os.stat(path)
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    stopping: list[int] = []
+
+    def on_signal(signo, _frame):
+        stopping.append(signo)
+
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    children: dict[int, tuple[int, socket.socket]] = {}   # pidfd -> (pid, connection)
+    # Everything imported so far lives as long as the server: keep it out of the collector's
+    # walks, here and in every child, whose pages then stay shared.
+    gc.collect()
+    gc.freeze()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if ready:
+        ready(status)
+    try:
+        while not stopping:
+            poller = select.poll()
+            poller.register(wake_r, select.POLLIN)
+            if len(children) < MAX_CHILDREN:
+                poller.register(sock.fileno(), select.POLLIN)
+            by_conn = {}
+            for pidfd, (_pid, conn) in children.items():
+                poller.register(pidfd, select.POLLIN)
+                poller.register(conn.fileno(), 0)   # only POLLHUP/POLLERR: the client went away
+                by_conn[conn.fileno()] = pidfd
+            for fd, events in poller.poll():
+                if fd == wake_r:
+                    _drain(wake_r)
+                elif fd == sock.fileno():
+                    _accept(sock, children)
+                elif fd in children:
+                    _reap(fd, children)
+                elif fd in by_conn and events & (select.POLLHUP | select.POLLERR):
+                    pidfd = by_conn[fd]
+                    if pidfd in children:
+                        log.info(f"client of request {children[pidfd][0]} went away: killing it")
+                        _kill(children[pidfd][0])
+    finally:
+        signal.set_wakeup_fd(-1)
+        for signo, handler in old_handlers.items():
+            signal.signal(signo, handler)
+        sock.close()
+        try:
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(path)
+        except OSError:
+            pass
+        for pidfd, (pid, conn) in list(children.items()):
+            select.select([pidfd], [], [], 5.0)   # let a request in flight finish
+            _kill(pid)
+            _reap(pidfd, children)
+        os.close(wake_r)
+        os.close(wake_w)
+    log.info(f"stopped by signal {stopping[0]}" if stopping else "stopped")
+    return 0
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _accept(sock: socket.socket, children: dict) -> None:
+    try:
+        conn, _ = sock.accept()
+    except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+        return
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            log.warning(f"accept: {exc.strerror}")
+            return
+        raise
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        log.warning(f"cannot fork for a request: {exc.strerror}")
+        conn.close()
+        return
+    if pid == 0:
+        code = 1
+        try:
+            sock.close()
+            code = handle(conn)
+        finally:
+            os._exit(code)
+    children[os.pidfd_open(pid)] = (pid, conn)
+
+
+def _reap(pidfd: int, children: dict) -> None:
+    pid, conn = children.pop(pidfd)
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+    os.close(pidfd)
+    conn.close()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)   # not reaped yet, so the number is still this child's
+    except ProcessLookupError:
+        pass
+
+
+# --- one request (in the forked child) ------------------------------------------------------------
+
+
+def handle(conn: socket.socket) -> int:
+    """Check the peer, take its fds, become the hook it stands for, answer. Returns the exit
+    code of this child (not of the hook)."""
+    import prctl
+
+    prctl.set_pdeathsig(signal.SIGKILL)   # a server stopped hard takes its requests with it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+    log.close()
+    conn.settimeout(REQUEST_TIMEOUT)
+    try:
+        data, fds = _receive(conn)
+    except (OSError, ValueError) as exc:
+        return _answer(conn, f"declined bad request: {exc}")
+    try:
+        reason = _decline_reason(conn, data)
+        if not reason:
+            _pid, argv, env = hookclient.decode_request(data)
+    except ValueError as exc:
+        reason = f"bad request: {exc}"
+    if reason:
+        for fd in fds:
+            os.close(fd)
+        return _answer(conn, f"declined {reason}")
+    stdin, stdout, stderr, cwd = fds
+    # From here on the run is the client's: its stdio, its cwd, its two variables.
+    for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.fchdir(cwd)
+    os.close(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    from . import hook
+
+    status = hook.main(argv, serve=False)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:
+        pass
+    return _answer(conn, f"rc {status & 0xFF}", code=0)
+
+
+def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
+    space = socket.CMSG_SPACE(hookclient.MAX_FDS * 4)
+    data, ancillary, flags, _ = conn.recvmsg(hookclient.MAX_REQUEST, space)
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds += struct.unpack(f"{len(payload) // 4}i", payload[: len(payload) - len(payload) % 4])
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) != hookclient.MAX_FDS:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("request too large or without its four fds")
+    return data, fds
+
+
+def _decline_reason(conn: socket.socket, data: bytes) -> str | None:
+    peer_pid, peer_uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    if peer_uid != 0:
+        return f"client uid {peer_uid} is not root"
+    claimed, _, _ = hookclient.decode_request(data)
+    if peer_pid <= 0 or claimed != peer_pid:
+        return "client in another PID namespace"
+    try:
+        for name in _NAMESPACES:
+            if _identity(f"/proc/{peer_pid}/ns/{name}") != _identity(f"/proc/self/ns/{name}"):
+                return f"client in another {name} namespace"
+        if _identity(f"/proc/{peer_pid}/root") != _identity("/"):
+            return "client has another root directory"
+    except OSError as exc:
+        return f"cannot inspect the client: {exc.strerror}"
+    return None
+
+
+def _identity(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _answer(conn: socket.socket, text: str, code: int = 1) -> int:
+    try:
+        conn.send(text.encode("ascii", "backslashreplace")[:4096])
+    except OSError:
+        pass
+    return code
