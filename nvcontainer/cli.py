@@ -343,8 +343,10 @@ def volume_remove(directory, version) -> None:
 @click.option("--prefix", metavar="DIR", default="/", show_default=True, help="Install under DIR instead of /.")
 @click.option("--cdi", "with_cdi", is_flag=True, help="Also generate the CDI spec (/var/run/cdi/nvidia.yaml).")
 @click.option("--hook-path", metavar="PATH", help="nvcontainer-hook as engines will run it. [default: the installed one]")
+@click.option("--serve", "served", is_flag=True,
+              help="Also install the nvcontainer serve service, and register its fast client as the hook.")
 @click.pass_obj
-def setup(obj: _Context, engine, dry_run, prefix, with_cdi, hook_path) -> None:
+def setup(obj: _Context, engine, dry_run, prefix, with_cdi, hook_path, served) -> None:
     """Install (or show) what ENGINE needs to run the hook or use CDI devices."""
     import os
 
@@ -352,13 +354,19 @@ def setup(obj: _Context, engine, dry_run, prefix, with_cdi, hook_path) -> None:
     from .cdi import commands
 
     hook = hook_path or commands.default_hook_path()
+    serve = None
+    if served:
+        from . import hookclient
+
+        serve = engines.Served(python=sys.executable, client=os.path.abspath(hookclient.__file__),
+                               cli=os.path.join(os.path.dirname(hook), "nvcontainer"))
     spec = None
     if with_cdi:
         from .cdi import generate
 
         opts = generate.Options(hook_path=hook, ldconfig=obj.config.ldconfig.removeprefix("@"))
         spec = commands.generate_spec(obj.inventory(), opts, "yaml", None)
-    steps = engines.steps(engine, hook, os.path.dirname(hook), spec)
+    steps = engines.steps(engine, hook, os.path.dirname(hook), spec, serve)
     sys.stdout.write(engines.perform(steps, prefix=prefix, dry_run=dry_run,
                                      stamp=time.strftime("%Y%m%dT%H%M%S")))
 

@@ -357,7 +357,10 @@ def _hooks_d_entry(text: str | None) -> str | None:
     try:
         hook = json.loads(text or "null")["hook"]
         provider = _provider(hook["path"])
-    except (ValueError, TypeError, KeyError):
+        args = hook.get("args") or []
+        if not provider and any(isinstance(a, str) and a.endswith("/nvcontainer/hookclient.py") for a in args):
+            return f"nvcontainer hook {hook['path']} (client of nvcontainer serve)"
+    except (ValueError, TypeError, KeyError, AttributeError):
         return None
     return f"{provider} hook {hook['path']}" if provider else None
 

@@ -28,6 +28,9 @@ CDI hooks (named in specs from `nvcontainer cdi generate`; see their --help):
 """
 CDI_HOOKS = ("create-symlinks", "update-ldcache", "disable-device-node-modification")
 
+# Set in a child of ``nvcontainer serve`` to the server's PID, for the trace.
+SERVED_BY: int | None = None
+
 _VALUED = {"--root": "root", "--ldcache": "ldcache", "--debug": "debug", "--user": "user", "--config": "config",
            "--socket": "socket"}
 _SHORT = {"-r": "--root", "-l": "--ldcache", "-d": "--debug", "-u": "--user"}
@@ -77,7 +80,8 @@ def prestart(opts: dict, dry_run: bool) -> int:
         log.open_debug(cfg.debug)
     state = oci.read_state(sys.stdin.fileno())
     spec = oci.read_spec(state.bundle)
-    log.info(f"prestart: pid {state.pid}, bundle {state.bundle}")
+    served = f" (served by nvcontainer serve, pid {SERVED_BY})" if SERVED_BY else ""
+    log.info(f"prestart: pid {state.pid}, bundle {state.bundle}{served}")
     request = request_from_env(spec.environ(), cfg, privileged=spec.privileged, mounts=spec.mounts,
                                annotations=spec.annotations)
     if not request.gpu and not dry_run:

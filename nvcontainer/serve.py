@@ -255,12 +255,11 @@ def handle(conn: socket.socket) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
-    log.close()
     conn.settimeout(REQUEST_TIMEOUT)
     try:
         data, fds = _receive(conn)
     except (OSError, ValueError) as exc:
-        return _answer(conn, f"declined bad request: {exc}")
+        return _decline(conn, f"bad request: {exc}")
     try:
         reason = _decline_reason(conn, data)
         if not reason:
@@ -270,7 +269,8 @@ def handle(conn: socket.socket) -> int:
     if reason:
         for fd in fds:
             os.close(fd)
-        return _answer(conn, f"declined {reason}")
+        return _decline(conn, reason)
+    log.close()   # the server's trace; the hook opens its own (--debug) as it would in-process
     stdin, stdout, stderr, cwd = fds
     # From here on the run is the client's: its stdio, its cwd, its two variables.
     for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
@@ -282,6 +282,7 @@ def handle(conn: socket.socket) -> int:
     os.environ.update(env)
     from . import hook
 
+    hook.SERVED_BY = os.getppid()
     status = hook.main(argv, serve=False)
     try:
         sys.stdout.flush()
@@ -326,6 +327,12 @@ def _decline_reason(conn: socket.socket, data: bytes) -> str | None:
 def _identity(path: str) -> tuple[int, int]:
     st = os.stat(path)
     return st.st_dev, st.st_ino
+
+
+def _decline(conn: socket.socket, reason: str) -> int:
+    """The client runs the hook itself after this; the server's trace says why."""
+    log.info(f"request declined: {reason}")
+    return _answer(conn, f"declined {reason}")
 
 
 def _answer(conn: socket.socket, text: str, code: int = 1) -> int:

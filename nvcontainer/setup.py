@@ -28,6 +28,9 @@ PATH_DIR = "/usr/local/bin"
 CDI_SPEC = "/var/run/cdi/nvidia.yaml"
 CDI_COMMAND = f"nvcontainer cdi generate --output {CDI_SPEC}"
 MAX_FILE = 1 << 20
+UNIT_NAME = "nvcontainer-serve.service"
+UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
+SERVE_SOCKET = "/run/nvcontainer/hook.sock"
 
 
 @dataclass(frozen=True)
@@ -51,50 +54,97 @@ class Steps:
     notes: tuple[str, ...] = ()
 
 
-def hook_json(hook_path: str) -> str:
+@dataclass(frozen=True)
+class Served:
+    """How the hook is run when a resident ``nvcontainer serve`` does the work: the interpreter
+    runs the client module as a script without ``site`` (builtin modules only, so it starts
+    about as fast as a bare interpreter); ``cli`` is the ``nvcontainer`` program the service runs."""
+    python: str
+    client: str
+    cli: str
+
+    def entry(self) -> dict:
+        return {"path": self.python, "args": [self.python, "-I", "-S", self.client, "prestart"]}
+
+
+def hook_entry(hook_path: str, served: Served | None = None) -> dict:
+    return served.entry() if served else {"path": hook_path, "args": ["nvcontainer-hook", "prestart"]}
+
+
+def hook_json(hook_path: str, served: Served | None = None) -> str:
     """An OCI hooks.d entry (version 1.0.0) that runs the hook for every container: the hook
     itself decides, from the image's environment, whether there is anything to do."""
-    entry = {"version": "1.0.0", "hook": {"path": hook_path, "args": ["nvcontainer-hook", "prestart"]},
-             "when": {"always": True}, "stages": ["prestart"]}
+    entry = {"version": "1.0.0", "hook": hook_entry(hook_path, served), "when": {"always": True},
+             "stages": ["prestart"]}
     return json.dumps(entry, indent=2) + "\n"
 
 
-def steps(engine: str, hook_path: str, bin_dir: str, cdi_spec: str | None = None) -> Steps:
+def unit_file(served: Served) -> str:
+    """A systemd service for ``nvcontainer serve``, started before the engines so that their first
+    containers are served (a hook that finds no server does the work itself, only slower)."""
+    return (
+        "[Unit]\n"
+        "Description=nvcontainer: container GPU hooks, run warm\n"
+        "Documentation=man:nvcontainer-serve(1)\n"
+        "Before=docker.service containerd.service crio.service podman.service\n"
+        "\n"
+        "[Service]\n"
+        f"ExecStart={served.cli} serve --socket {SERVE_SOCKET}\n"
+        "Restart=on-failure\n"
+        "\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
+def steps(engine: str, hook_path: str, bin_dir: str, cdi_spec: str | None = None,
+          served: Served | None = None) -> Steps:
     """``hook_path``: the installed ``nvcontainer-hook``; ``bin_dir``: where the drop-in scripts
-    are installed; ``cdi_spec``: a generated CDI spec to install, if asked for."""
+    are installed; ``cdi_spec``: a generated CDI spec to install, if asked for; ``served``: also
+    install the ``nvcontainer serve`` service and register its client."""
     if engine not in ENGINES:
         raise NvcError("input", f"unknown engine '{escape(engine, 40)}' (one of {', '.join(ENGINES)})")
     cdi = (WriteFile(CDI_SPEC, cdi_spec),) if cdi_spec is not None else ()
     cdi_note = () if cdi_spec is not None else (f"for CDI devices, add --cdi (or run: {CDI_COMMAND})",)
+    service = (WriteFile(UNIT_PATH, unit_file(served)),) if served else ()
+    service_note = (f"start the server: systemctl daemon-reload && systemctl enable --now {UNIT_NAME}",) \
+        if served else ()
     if engine == "runc":
-        fragment = json.dumps({"hooks": {"prestart": [{"path": hook_path, "args": ["nvcontainer-hook", "prestart"]}]}},
-                              indent=2)
-        return Steps(fragments=((f"each bundle's config.json", fragment),),
+        fragment = json.dumps({"hooks": {"prestart": [hook_entry(hook_path, served)]}}, indent=2)
+        return Steps(files=service, fragments=((f"each bundle's config.json", fragment),),
                      notes=("runc reads no configuration of its own: the hook is named in each bundle; "
-                            "the container's NVIDIA_VISIBLE_DEVICES selects its GPUs",))
+                            "the container's NVIDIA_VISIBLE_DEVICES selects its GPUs", *service_note))
     if engine in ("podman", "crio"):
         where = HOOKS_DIRS[engine]
         notes = [f"{engine} runs the hook for every container; NVIDIA_VISIBLE_DEVICES selects the GPUs"]
         if engine == "crio":
             notes.append(f"CRI-O reads hooks from hooks_dir in crio.conf ({where} by default)")
-        return Steps(files=(WriteFile(f"{where}/{HOOK_FILE}", hook_json(hook_path)), *cdi),
-                     notes=(*notes, *cdi_note))
+        return Steps(files=(WriteFile(f"{where}/{HOOK_FILE}", hook_json(hook_path, served)), *service, *cdi),
+                     notes=(*notes, *service_note, *cdi_note))
     if engine == "docker":
         link = Link(f"{PATH_DIR}/nvidia-container-runtime-hook", f"{bin_dir}/nvidia-container-runtime-hook")
         fragment = json.dumps({"features": {"cdi": True}}, indent=2)
-        return Steps(files=cdi, links=(link,), fragments=(("/etc/docker/daemon.json", fragment),),
+        return Steps(files=(*service, *cdi), links=(link,), fragments=(("/etc/docker/daemon.json", fragment),),
                      notes=("docker run --gpus runs nvidia-container-runtime-hook from PATH: no daemon change "
-                            "needed for --gpus",
+                            "needed for --gpus (it hands its runs to nvcontainer serve when one listens)",
                             "the daemon.json fragment (Docker 25+) enables --device nvidia.com/gpu=...; "
-                            "restart dockerd after merging it", *cdi_note))
-    fragment = ('[plugins."io.containerd.grpc.v1.cri"]\n'
-                "  enable_cdi = true\n"
-                '  cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]')
-    return Steps(files=cdi, fragments=(("/etc/containerd/config.toml (version 2)", fragment),),
-                 notes=("containerd runs no OCI hooks: GPUs reach its containers through CDI; restart "
-                        "containerd after merging the fragment",
-                        "Kubernetes: run the NVIDIA device plugin with DEVICE_LIST_STRATEGY=cdi-cri "
-                        "(see docs/engines/containerd-kubernetes.md)", *cdi_note))
+                            "restart dockerd after merging it", *service_note, *cdi_note))
+    if served:
+        # containerd runs no hooks: CDI specs name `nvcontainer-hook` for their hooks, and those
+        # find the server by themselves; the service is still worth having
+        return Steps(files=(*service, *cdi), fragments=_CONTAINERD_FRAGMENTS,
+                     notes=(*_CONTAINERD_NOTES, *service_note, *cdi_note))
+    return Steps(files=cdi, fragments=_CONTAINERD_FRAGMENTS, notes=(*_CONTAINERD_NOTES, *cdi_note))
+
+
+_CONTAINERD_FRAGMENTS = (("/etc/containerd/config.toml (version 2)",
+                          '[plugins."io.containerd.grpc.v1.cri"]\n'
+                          "  enable_cdi = true\n"
+                          '  cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]'),)
+_CONTAINERD_NOTES = ("containerd runs no OCI hooks: GPUs reach its containers through CDI; restart "
+                     "containerd after merging the fragment",
+                     "Kubernetes: run the NVIDIA device plugin with DEVICE_LIST_STRATEGY=cdi-cri "
+                     "(see docs/engines/containerd-kubernetes.md)")
 
 
 # --- doing ---------------------------------------------------------------------------------

@@ -95,3 +95,33 @@ def test_cli_dry_run(tmp_path):
     assert not any(tmp_path.iterdir())
     bad = subprocess.run([*CLI, "setup", "lxc"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1
+
+
+def test_serve_installs_the_service_and_registers_the_client(tmp_path):
+    served = setup.Served(python="/opt/nvc/bin/python", client="/opt/nvc/lib/nvcontainer/hookclient.py",
+                          cli="/opt/nvc/bin/nvcontainer")
+    s = setup.steps("podman", HOOK, "/opt/nvc/bin", served=served)
+    setup.perform(s, prefix=str(tmp_path), stamp="T")
+    hooks_d = json.loads((tmp_path / "etc/containers/oci/hooks.d/oci-nvcontainer-hook.json").read_text())
+    assert hooks_d["hook"] == {"path": "/opt/nvc/bin/python",
+                               "args": ["/opt/nvc/bin/python", "-I", "-S", served.client, "prestart"]}
+    unit = (tmp_path / "etc/systemd/system/nvcontainer-serve.service").read_text()
+    assert "ExecStart=/opt/nvc/bin/nvcontainer serve --socket /run/nvcontainer/hook.sock\n" in unit
+    assert any("systemctl enable --now nvcontainer-serve.service" in n for n in s.notes)
+    assert [what for _, what, _ in doctor.registrations(str(tmp_path))] == [
+        "nvcontainer hook /opt/nvc/bin/python (client of nvcontainer serve)"]
+    for engine in ("runc", "docker", "containerd", "crio"):
+        assert setup.UNIT_PATH in [f.path for f in setup.steps(engine, HOOK, "/opt/nvc/bin", served=served).files]
+    runc = setup.steps("runc", HOOK, "/opt/nvc/bin", served=served)
+    assert json.loads(runc.fragments[0][1])["hooks"]["prestart"] == [served.entry()]
+
+
+def test_cli_serve_names_this_installation(tmp_path):
+    res = subprocess.run([*CLI, "setup", "crio", "--serve", "--dry-run", "--prefix", str(tmp_path), "--hook-path",
+                          HOOK], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    import nvcontainer.hookclient
+
+    assert f'"{os.path.abspath(nvcontainer.hookclient.__file__)}",' in res.stdout
+    assert "ExecStart=/opt/nvc/bin/nvcontainer serve" in res.stdout
+    assert not any(tmp_path.iterdir())

@@ -1,0 +1,404 @@
+"""``nvcontainer serve`` and the hook client: a served run is the same run, only warm.
+
+Every case runs a real server (``python -m nvcontainer serve``) inside the fake machine's world
+together with its clients, so both share the mount namespace, as on a node. The proof that a
+run was served and not done in the client's own process is the hook's trace line
+``(served by nvcontainer serve, pid N)``, written by the server's child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures import runtime as rt
+from tests.fixtures.fakegpu.runner import fake_proc_command
+
+REPO = Path(__file__).resolve().parent.parent
+CLIENT = str(REPO / "nvcontainer" / "hookclient.py")
+SERVED = "(served by nvcontainer serve, pid "
+IN_PROCESS = [sys.executable, "-I", "-m", "nvcontainer.hook"]
+
+# Runs inside the fake machine's world: starts a server, runs the steps (argv, stdin, and an
+# optional "unshare" to run the step in a mount namespace of its own), stops the server with
+# SIGTERM, and prints one JSON document with every result.
+DRIVER = textwrap.dedent(r"""
+    import json, os, select, signal, subprocess, sys, time
+    sock, root, steps, debug = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+    server = subprocess.Popen([sys.executable, "-I", "-m", "nvcontainer", "--root", root, "--debug", debug,
+                               "serve", "--socket", sock], stderr=subprocess.PIPE, text=True)
+    first = server.stderr.readline()
+    out = {"ready": first, "steps": []}
+    for step in steps:
+        started = time.monotonic()
+        env = dict(os.environ, **step.get("env", {}))
+        res = subprocess.run(step["argv"], input=step.get("stdin", ""), capture_output=True, text=True, timeout=180,
+                             env=env)
+        out["steps"].append({"rc": res.returncode, "stdout": res.stdout, "stderr": res.stderr,
+                             "seconds": time.monotonic() - started})
+    out["children"] = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
+    out["socket_mode"] = oct(os.lstat(sock).st_mode)
+    out["dir_mode"] = oct(os.lstat(os.path.dirname(sock)).st_mode)
+    server.send_signal(signal.SIGTERM)
+    out["server_rc"] = server.wait(timeout=30)
+    out["server_stderr"] = first + server.stderr.read()
+    out["socket_left"] = os.path.exists(sock)
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    rootfs = tmp_path / "bundle/rootfs"
+    (rootfs / "etc").mkdir(parents=True)
+    (rootfs / "etc/debian_version").write_text("12\n")
+    return tmp_path / "bundle"
+
+
+@pytest.fixture
+def pid():
+    proc = subprocess.Popen(["sleep", "120"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def write_config(bundle: Path, env: list[str]) -> None:
+    spec = {"ociVersion": "1.0.2", "root": {"path": "rootfs"},
+            "process": {"args": ["sh"], "env": ["PATH=/bin", *env], "capabilities": {"bounding": ["CAP_CHOWN"]}}}
+    (bundle / "config.json").write_text(json.dumps(spec))
+
+
+def state(pid: int, bundle: Path) -> str:
+    return json.dumps({"ociVersion": "1.0.2", "id": "c", "status": "creating", "pid": pid, "bundle": str(bundle)})
+
+
+def client(sock: str, *args: str) -> list[str]:
+    """The registration ``nvcontainer setup --serve`` writes: no site, builtin modules only."""
+    return [sys.executable, "-I", "-S", CLIENT, "--socket", sock, *args]
+
+
+def in_world(machine, tmp_path: Path, steps: list[dict], sock: str | None = None) -> dict:
+    sock = sock or str(tmp_path / "srv" / "hook.sock")
+    argv = [sys.executable, "-I", "-c", DRIVER, sock, str(machine.root), json.dumps(steps),
+            str(tmp_path / "serve.log")]
+    res = subprocess.run(fake_proc_command(machine, argv), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_a_served_dry_run_is_the_in_process_one(fake_machine, tmp_path, bundle, pid):
+    write_config(bundle, ["NVIDIA_VISIBLE_DEVICES=1", "NVIDIA_DRIVER_CAPABILITIES=utility,compute"])
+    sock = str(tmp_path / "srv" / "hook.sock")
+    log = tmp_path / "hook.log"
+    root = ["--root", str(fake_machine.root)]
+    out = in_world(fake_machine, tmp_path, [
+        {"argv": client(sock, *root, "--debug", str(log), "--dry-run", "prestart"), "stdin": state(pid, bundle)},
+        {"argv": [*IN_PROCESS, *root, "--dry-run", "prestart"], "stdin": state(pid, bundle)},
+    ], sock)
+    served, local = out["steps"]
+    assert served["rc"] == local["rc"] == 0, (served, local)
+    assert served["stdout"] == local["stdout"]
+    plan = json.loads(served["stdout"])
+    assert plan["pid"] == pid and "/dev/nvidia1" in [d["path"] for d in plan["devices"]]
+    assert "/dev/nvidia0" not in [d["path"] for d in plan["devices"]]
+    assert SERVED in log.read_text()
+    assert out["ready"].startswith(f"nvcontainer serve: listening on {sock}; inventory ready: driver 550.54.14")
+
+
+@pytest.mark.parametrize("env, st, expected", [
+    (["NVIDIA_VISIBLE_DEVICES=9"], None, "nvcontainer-hook: device error: 9: unknown device\n"),
+    (["NVIDIA_VISIBLE_DEVICES=0"], '{"pid": true, "bundle": "/x"}', "nvcontainer-hook: input error: state: pid"),
+    (["NVIDIA_VISIBLE_DEVICES=0\x1b[2J\nforged"], None, "nvcontainer-hook: "),
+])
+def test_a_served_failure_says_what_the_in_process_one_says(fake_machine, tmp_path, bundle, pid, env, st, expected):
+    write_config(bundle, env)
+    sock = str(tmp_path / "srv" / "hook.sock")
+    log = tmp_path / "hook.log"
+    root = ["--root", str(fake_machine.root)]
+    stdin = st if st is not None else state(pid, bundle)
+    out = in_world(fake_machine, tmp_path, [
+        {"argv": client(sock, *root, "--debug", str(log), "prestart"), "stdin": stdin},
+        {"argv": [*IN_PROCESS, *root, "prestart"], "stdin": stdin},
+    ], sock)
+    served, local = out["steps"]
+    assert (served["rc"], served["stderr"]) == (local["rc"], local["stderr"])
+    assert served["rc"] == 1 and served["stderr"].startswith(expected)
+    assert served["stderr"].count("\n") == 1 and "Traceback" not in served["stderr"]
+    if st is None:   # a bad state fails before the trace's first line
+        assert SERVED in log.read_text()
+
+
+def test_without_a_server_the_client_runs_the_hook_itself(fake_machine, tmp_path, bundle, pid):
+    write_config(bundle, ["NVIDIA_VISIBLE_DEVICES=0"])
+    log = tmp_path / "hook.log"
+    res = subprocess.run(fake_proc_command(fake_machine, client(str(tmp_path / "none.sock"), "--root",
+                                                                str(fake_machine.root), "--debug", str(log),
+                                                                "--dry-run", "prestart")),
+                         input=state(pid, bundle), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    devices = [d["path"] for d in json.loads(res.stdout)["devices"]]
+    assert "/dev/nvidia0" in devices and "/dev/nvidia1" not in devices
+    text = log.read_text()
+    assert "prestart: pid" in text and SERVED not in text
+
+
+def test_a_client_in_another_mount_namespace_is_declined_and_runs_itself(fake_machine, tmp_path, bundle, pid):
+    write_config(bundle, ["NVIDIA_VISIBLE_DEVICES=0"])
+    sock = str(tmp_path / "srv" / "hook.sock")
+    log = tmp_path / "hook.log"
+    argv = ["unshare", "-m", "--propagation", "private", "--",
+            *client(sock, "--root", str(fake_machine.root), "--debug", str(log), "--dry-run", "prestart")]
+    out = in_world(fake_machine, tmp_path, [{"argv": argv, "stdin": state(pid, bundle)}], sock)
+    step, = out["steps"]
+    assert step["rc"] == 0, step
+    assert json.loads(step["stdout"])["pid"] == pid
+    assert SERVED not in log.read_text()
+    assert "request declined: client in another mnt namespace" in (tmp_path / "serve.log").read_text()
+
+
+def test_socket_is_root_only_and_goes_away_with_the_server(fake_machine, tmp_path):
+    out = in_world(fake_machine, tmp_path, [])
+    assert stat.S_IMODE(int(out["socket_mode"], 8)) == 0o600 and stat.S_ISSOCK(int(out["socket_mode"], 8))
+    assert stat.S_IMODE(int(out["dir_mode"], 8)) == 0o700
+    assert out["server_rc"] == 0 and not out["socket_left"], out["server_stderr"]
+
+
+# Raw protocol cases, against a server in the test's own namespace.
+
+def start_server(machine, sock: Path, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-I", "-m", "nvcontainer", "--root", str(machine.root),
+                             "--debug", str(log), "serve", "--socket", str(sock)],
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    line = proc.stderr.readline()
+    assert "listening on" in line, line + proc.stderr.read()
+    return proc
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def server(fake_machine, tmp_path):
+    sock = tmp_path / "srv" / "hook.sock"
+    proc = start_server(fake_machine, sock, tmp_path / "serve.log")
+    yield proc, sock
+    stop_server(proc)
+
+
+def _request(sock: Path, payload: bytes, fds=(0, 1, 2), uid: int | None = None) -> bytes:
+    """Send one raw request from a forked child (as ``uid`` if given); return the reply."""
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(r)
+            if uid is not None:
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(str(sock))
+            cwd = os.open("/", os.O_PATH)
+            s.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                   b"".join(fd.to_bytes(4, sys.byteorder) for fd in (*fds, cwd)))])
+            s.settimeout(30)
+            os.write(w, s.recv(4096) or b"<closed>")
+        except OSError as exc:
+            os.write(w, f"<{exc.strerror}>".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        reply = fh.read()
+    os.waitpid(child, 0)
+    return reply
+
+
+def test_garbage_is_declined_and_the_server_goes_on(server, tmp_path):
+    proc, sock = server
+    assert _request(sock, b"hello").startswith(b"declined bad request")
+    assert _request(sock, b"NVC1 1 2 0\nonly-one\0").startswith(b"declined ")
+    assert _request(sock, b"NVC1 %d 0 0\n" % os.getpid(), fds=(0, 1)).startswith(b"declined bad request")
+    # still serving: a well-formed request from a process that lies about its PID
+    assert _request(sock, b"NVC1 1 1 0\nprestart\0") == b"declined client in another PID namespace"
+    assert proc.poll() is None
+
+
+def test_a_non_root_client_is_declined(fake_machine):
+    base = Path(tempfile.mkdtemp(prefix="nvc-serve-"))   # a place uid 65534 can reach
+    base.chmod(0o755)
+    sock = base / "srv" / "hook.sock"
+    proc = start_server(fake_machine, sock, base / "serve.log")
+    try:
+        assert _request(sock, b"NVC1 1 1 0\nprestart\0", uid=65534) == b"<Permission denied>"   # 0700 dir, 0600 socket
+        os.chmod(sock.parent, 0o755)
+        assert _request(sock, b"NVC1 1 1 0\nprestart\0", uid=65534) == b"<Permission denied>"   # 0600 socket
+        os.chmod(sock, 0o666)
+        reply = _request(sock, b"NVC1 1 1 0\nprestart\0", uid=65534)
+        assert reply == b"declined client uid 65534 is not root"
+        assert proc.poll() is None
+    finally:
+        stop_server(proc)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_request_dies_with_its_client(server, tmp_path):
+    """Runtimes kill only the hook on their timeout: the request it started must not live on."""
+    proc, sock = server
+    r, w = os.pipe()   # the state never ends: the request waits for it
+    client_proc = subprocess.Popen(client(str(sock), "prestart"), stdin=r, stderr=subprocess.PIPE)
+    os.close(r)
+    try:
+        children = []
+        for _ in range(200):
+            children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            if children:
+                break
+            time.sleep(0.02)
+        assert children, "the request never started"
+        client_proc.kill()
+        client_proc.wait()
+        for _ in range(200):
+            if not subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True).stdout:
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail("the request outlived its client")
+        assert "went away: killing it" in (tmp_path / "serve.log").read_text()
+    finally:
+        os.close(w)
+    assert proc.poll() is None
+
+
+def test_a_second_server_on_the_same_socket_is_refused(server, fake_machine):
+    _proc, sock = server
+    res = subprocess.run([sys.executable, "-I", "-m", "nvcontainer", "--root", str(fake_machine.root), "serve",
+                          "--socket", str(sock)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 1
+    assert res.stderr == f"nvcontainer: input error: another nvcontainer serve is listening on {sock}\n"
+
+
+@pytest.mark.parametrize("case", ["not-absolute", "group-writable-dir", "not-a-socket"])
+def test_bad_socket_places_are_one_line(fake_machine, tmp_path, case):
+    path = tmp_path / "d" / "hook.sock"
+    path.parent.mkdir()
+    if case == "group-writable-dir":
+        path.parent.chmod(0o777)
+    if case == "not-a-socket":
+        path.write_text("")
+    arg = "relative.sock" if case == "not-absolute" else str(path)
+    res = subprocess.run([sys.executable, "-I", "-m", "nvcontainer", "--root", str(fake_machine.root), "serve",
+                          "--socket", arg], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("nvcontainer: input error: ") and "Traceback" not in res.stderr
+    if case == "not-a-socket":
+        assert path.read_text() == ""
+
+
+def test_a_stale_socket_is_replaced(fake_machine, tmp_path):
+    sock = tmp_path / "srv" / "hook.sock"
+    sock.parent.mkdir(mode=0o700)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    dead.bind(str(sock))
+    dead.close()   # the file stays, nobody listens
+    out = in_world(fake_machine, tmp_path, [], str(sock))
+    assert out["ready"].startswith("nvcontainer serve: listening on"), out
+    assert out["server_rc"] == 0
+
+
+def test_the_client_imports_no_module_but_builtins(fake_machine, tmp_path, bundle, pid):
+    write_config(bundle, ["NVIDIA_VISIBLE_DEVICES=0"])
+    sock = str(tmp_path / "srv" / "hook.sock")
+    argv = [sys.executable, "-X", "importtime", *client(sock, "--root", str(fake_machine.root), "--dry-run",
+                                                        "prestart")[1:]]
+    out = in_world(fake_machine, tmp_path, [{"argv": argv, "stdin": state(pid, bundle)}], sock)
+    step, = out["steps"]
+    assert step["rc"] == 0 and json.loads(step["stdout"])["gpu"] is True
+    imported = {line.split("|")[-1].strip() for line in step["stderr"].splitlines() if line.startswith("import time:")}
+    assert "_socket" in imported
+    assert not imported & {"json", "re", "socket", "nvcontainer", "site", "typing"}, sorted(imported)
+
+
+# The product's main job, through real runtimes, served.
+
+@pytest.mark.parametrize("runtime", ["runc", "crun"])
+def test_runtime_starts_a_gpu_container_through_the_server(fake_machine, tmp_path, runtime):
+    sock = str(tmp_path / "srv" / "hook.sock")
+    log = tmp_path / "hook.log"
+    script = ('echo "OPEN0:$(cat /dev/nvidia0 2>&1 | head -1)"\n'
+              'echo "NV1:$(ls /dev/nvidia1 2>&1)"\n'
+              'echo "LIBS:$(ldconfig -p | grep -c -e libcuda.so.1 -e libnvidia-ml.so.1)"\necho "DONE:ok"\n')
+
+    def served_hook(spec):
+        entry = spec["hooks"]["prestart"][1]
+        entry["args"] = client(sock, "--root", str(fake_machine.root), "--debug", str(log), "prestart")
+        entry["path"] = sys.executable
+
+    bundle = rt.make_bundle(tmp_path, fake_machine, ["NVIDIA_VISIBLE_DEVICES=0",
+                                                     "NVIDIA_DRIVER_CAPABILITIES=compute,utility"],
+                            script, extra_spec=served_hook)
+    state_dir = tmp_path / f"state-{runtime}"
+    run = [runtime, "--root", str(state_dir), "run", "--bundle", str(bundle), bundle.name]
+    if runtime != "runc":
+        run = ["sh", "-c", rt.V1_ONLY_WORLD, "sh", *run]
+    delete = [runtime, "--root", str(state_dir), "delete", "-f", bundle.name]
+    script_steps = [{"argv": run}, {"argv": delete}]
+    out = in_world(fake_machine, tmp_path, script_steps, sock)
+    res = out["steps"][0]
+    assert res["rc"] == 0, res["stderr"]
+    facts = rt.parse_facts(res["stdout"])
+    assert facts["OPEN0"] == ["cat: can't open '/dev/nvidia0': No such device or address"]   # cgroup allows it
+    assert "No such file" in facts["NV1"][0]
+    assert facts["LIBS"] == ["2"] and facts["DONE"] == ["ok"]
+    assert SERVED in log.read_text()
+    assert out["children"] == [] and out["server_rc"] == 0
+
+
+def test_podman_runs_the_client_that_setup_registers(fake_machine, tmp_path):
+    """hooks.d as ``nvcontainer setup podman --serve`` writes it, the server started beside podman."""
+    from nvcontainer import setup
+
+    sock = str(tmp_path / "srv" / "hook.sock")
+    log = tmp_path / "hook.log"
+    work = tmp_path / "podman"
+    hooks = work / "hooks"
+    hooks.mkdir(parents=True)
+    driver_hook, _ = rt.hook_entries(fake_machine)
+    (hooks / "00-proc-driver.json").write_text(json.dumps(
+        {"version": "1.0.0", "hook": driver_hook, "when": {"always": True}, "stages": ["prestart"]}))
+    served = setup.Served(python=sys.executable, client=CLIENT, cli="unused")
+    entry = json.loads(setup.hook_json("unused", served))
+    assert entry["hook"]["args"] == client(sock, "prestart")[:4] + ["prestart"]
+    entry["hook"]["args"][-1:] = ["--socket", sock, "--root", str(fake_machine.root), "--debug", str(log), "prestart"]
+    (hooks / "01-nvcontainer.json").write_text(json.dumps(entry))
+    (work / "containers.conf").write_text(rt.PODMAN_CONF)
+    rootfs = rt.busybox_rootfs(work / "rootfs")
+    runroot = Path(tempfile.mkdtemp(prefix="nvc-pd-"))
+    script = 'echo "OPEN0:$(cat /dev/nvidia0 2>&1 | head -1)"; echo "DONE:ok"'
+    argv = ["sh", "-c", rt.V1_ONLY_WORLD, "sh", "podman", "--root", str(work / "storage"), "--runroot", str(runroot),
+            "--storage-driver", "vfs", "--cgroup-manager", "cgroupfs", "--hooks-dir", str(hooks), "run", "--rm",
+            "--network", "none", "--env=NVIDIA_VISIBLE_DEVICES=0", "--rootfs", str(rootfs), "/bin/sh", "-c", script]
+    try:
+        out = in_world(fake_machine, tmp_path, [{"argv": argv, "env": {"CONTAINERS_CONF": str(work / "containers.conf")}}],
+                       sock)
+    finally:
+        shutil.rmtree(runroot, ignore_errors=True)
+    res, = out["steps"]
+    assert res["rc"] == 0, res["stderr"]
+    assert rt.parse_facts(res["stdout"])["OPEN0"] == ["cat: can't open '/dev/nvidia0': No such device or address"]
+    assert SERVED in log.read_text()
