@@ -222,6 +222,26 @@ def test_a_change_of_path_is_another_entry(machine, cache_dir, monkeypatch):
     assert len(entries(cache_dir)) == 2
 
 
+def test_a_resident_process_rechecks_the_world_but_does_not_reparse(machine, cache_dir, monkeypatch):
+    """nvcontainer serve's children inherit the parsed entry; they must still see every change."""
+    cfg = config_for(machine, cache_dir)
+    first = inventory(machine, cfg)
+    reads = []
+    real = cache.read_entry
+    monkeypatch.setattr(cache, "read_entry", lambda dfd, name: reads.append(name) or real(dfd, name))
+    assert inventory(machine, cfg) == first and reads == []        # recalled, not read
+    os.utime(the_entry(cache_dir))                                  # the file was touched: read it
+    assert inventory(machine, cfg) == first and len(reads) == 1
+    assert inventory(machine, cfg) == first and len(reads) == 1    # and remembered again
+    (machine.root / "dev/nvidia-modeset").unlink()                  # the world changed: rebuilt
+    changed = inventory(machine, cfg)
+    assert "/dev/nvidia-modeset" not in [n.path for n in changed.ctl_devices] and len(reads) >= 2
+    (machine.proc / "sys/kernel/random/boot_id").write_text("another boot\n")
+    break_nvml(machine)
+    with pytest.raises(NvcError, match="driver not loaded"):       # a reboot is never recalled
+        inventory(machine, cfg)
+
+
 # --- never trusted ----------------------------------------------------------------------------
 
 

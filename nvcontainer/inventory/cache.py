@@ -73,7 +73,12 @@ def cached_inventory(config, *, refresh: bool = False, proc: str = "/proc") -> I
     try:
         name = entry_name(inputs)
         if not refresh:
-            inventory = valid_inventory(read_entry(dfd, name), inputs, machine)
+            inventory = _recalled(dfd, name, inputs, machine)
+            if inventory is None:
+                entry = read_entry(dfd, name)
+                inventory = valid_inventory(entry, inputs, machine)
+                if inventory is not None:
+                    _remember(dfd, name, entry, inventory)
             if inventory is not None:
                 log.info(f"inventory from cache {config.cache_dir}/{name}")
                 return inventory
@@ -91,8 +96,8 @@ def cached_inventory(config, *, refresh: bool = False, proc: str = "/proc") -> I
                     return inventory
             facts = None if refresh else valid_facts(entry, inputs, machine)
             inventory, record = _build(config, inputs, machine, facts, proc)
-            if record is not None:
-                write_entry(dfd, name, record)
+            if record is not None and write_entry(dfd, name, record):
+                _remember(dfd, name, record, inventory)
             return inventory
     finally:
         os.close(dfd)
@@ -278,15 +283,8 @@ def valid_inventory(entry: dict | None, inputs: dict, machine: dict) -> Inventor
     files it depends on changed since; None otherwise."""
     if entry is None or entry.get("inputs") != inputs or entry.get("machine") != machine:
         return None
-    watch = entry.get("watch")
-    if not isinstance(watch, list):
+    if not _watched_unchanged(entry.get("watch")):
         return None
-    for item in watch:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
-            return None
-        if identity(item[0]) != item[1]:
-            log.info(f"inventory cache stale: {escape(item[0])} changed")
-            return None
     data, minors, warnings = entry.get("inventory"), _minors_from_json(entry.get("mig_minors")), entry.get("warnings")
     if (minors is None or not _checker("Inventory")(data) or data["root"] != inputs["root"]
             or type(warnings) is not list or not set(map(type, warnings)) <= {str}):
@@ -295,6 +293,58 @@ def valid_inventory(entry: dict | None, inputs: dict, machine: dict) -> Inventor
     for w in warnings:
         log.warning(w)
     return replace(Inventory.from_dict(data), mig_minors=minors)
+
+
+def _watched_unchanged(watch) -> bool:
+    if not isinstance(watch, list):
+        return False
+    for item in watch:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+            return False
+        if identity(item[0]) != item[1]:
+            log.info(f"inventory cache stale: {escape(item[0])} changed")
+            return False
+    return True
+
+
+# --- the entry a resident server holds ----------------------------------------------------------
+#
+# ``nvcontainer serve`` reads (or builds) the entry once and forks a child per request. Parsing
+# the JSON and checking its shape again in every child would cost a few milliseconds of every
+# container start for a file that has not changed: the child instead compares the file's
+# identity (same inode, size, mtime and ctime: not rewritten, renamed over, chmod-ed or linked)
+# with the one the server parsed, and re-checks everything that describes the world rather than
+# the file (inputs, machine, watched paths), exactly as a read would. Per process, never written
+# anywhere.
+
+_memo: dict[str, tuple] = {}
+
+
+def _file_identity(dfd: int, name: str):
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid, st.st_nlink
+
+
+def _remember(dfd: int, name: str, entry: dict, inventory: Inventory) -> None:
+    ident = _file_identity(dfd, name)
+    if ident is not None:
+        _memo[name] = (ident, entry["inputs"], entry["machine"], entry["watch"], inventory, list(entry["warnings"]))
+
+
+def _recalled(dfd: int, name: str, inputs: dict, machine: dict) -> Inventory | None:
+    memo = _memo.get(name)
+    if memo is None:
+        return None
+    ident, memo_inputs, memo_machine, watch, inventory, warnings = memo
+    if (_file_identity(dfd, name) != ident or memo_inputs != inputs or memo_machine != machine
+            or not _watched_unchanged(watch)):
+        return None
+    for w in warnings:
+        log.warning(w)
+    return inventory
 
 
 def inventory_to_json(inventory: Inventory) -> tuple[dict, list]:
@@ -419,7 +469,7 @@ def _build(config, inputs: dict, machine: dict, cached: dict | None, proc: str) 
     return inventory, record
 
 
-def write_entry(dfd: int, name: str, record: dict) -> None:
+def write_entry(dfd: int, name: str, record: dict) -> bool:
     """Replace ``name`` atomically; a failure costs the next start a rebuild, nothing more."""
     data = json.dumps(record, separators=(",", ":")).encode()
     tmp = f".{name}.{os.getpid()}.tmp"
@@ -442,8 +492,9 @@ def write_entry(dfd: int, name: str, record: dict) -> None:
             os.unlink(tmp, dir_fd=dfd)
         except OSError:
             pass
-        return
+        return False
     _prune(dfd, keep=name)
+    return True
 
 
 def _prune(dfd: int, keep: str) -> None:
