@@ -55,14 +55,30 @@ def preload() -> None:
 
 def warm(cfg) -> str:
     """Build (or check) the inventory cache for ``cfg`` now, so the first container does not pay
-    NVML. A failure is reported and left to the requests to meet."""
-    from .inventory.cache import cached_inventory
+    NVML, and parse it here, so no request does (``inventory.cache`` recalls it in every child).
 
+    The hook's ``PATH`` is part of the entry's key, and a service manager's ``PATH`` is seldom
+    the one registrations give hooks: warm this process's and the default registration's.
+    A failure is reported and left to the requests to meet."""
+    from .inventory.cache import cached_inventory
+    from .inventory.catalog import DEFAULT_PATH
+
+    own = os.environ.get("PATH")
+    status = ""
     try:
-        inventory = cached_inventory(cfg)
-    except NvcError as exc:
-        return f"inventory not ready: {exc.detail}"
-    return f"inventory ready: driver {inventory.driver_version}, {len(inventory.gpus)} GPU(s)"
+        for path in dict.fromkeys([own or DEFAULT_PATH, DEFAULT_PATH]):
+            os.environ["PATH"] = path
+            try:
+                inventory = cached_inventory(cfg)
+            except NvcError as exc:
+                return f"inventory not ready: {exc.detail}"
+            status = f"inventory ready: driver {inventory.driver_version}, {len(inventory.gpus)} GPU(s)"
+    finally:
+        if own is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = own
+    return status
 
 
 # --- the listening socket ----------------------------------------------------------------------

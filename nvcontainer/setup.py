@@ -20,6 +20,7 @@ import stat
 from dataclasses import dataclass
 
 from .errors import NvcError, escape
+from .inventory.catalog import DEFAULT_PATH
 
 ENGINES = ("runc", "docker", "containerd", "podman", "crio")
 HOOK_FILE = "oci-nvcontainer-hook.json"
@@ -89,6 +90,7 @@ def unit_file(served: Served) -> str:
         "Before=docker.service containerd.service crio.service podman.service\n"
         "\n"
         "[Service]\n"
+        f"Environment=PATH={DEFAULT_PATH}\n"
         f"ExecStart={served.cli} serve --socket {SERVE_SOCKET}\n"
         "Restart=on-failure\n"
         "\n"
