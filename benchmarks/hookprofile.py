@@ -10,6 +10,12 @@ the benchmarks) wrapped by ``benchmarks/probe.py``, with the inventory cache war
 * ``python -X importtime``: the modules the hook imports, by cumulative time (the hook process
   and the workers it forks write to the same stderr, so a worker's imports appear too);
 * ``cProfile``: the functions by cumulative time.
+
+``--served`` profiles the served hook instead: the client registered as ``nvcontainer setup``
+writes it, handing the run to a resident ``nvcontainer serve`` started in the same world (mount
+namespace) as runc. Only the steps and the debug log then (the server's child writes it): the
+imports happened once, in the server, and a forked child's profile is never written. The first
+step is then the client's start-up, the hand-off and the fork.
 """
 
 from __future__ import annotations
@@ -58,15 +64,62 @@ def steps(log_text: str, wall_ms: float) -> list[tuple[str, float]]:
     return out
 
 
+def print_steps(logs: list[Path], runs: list[dict]) -> None:
+    per_step: dict[str, list[float]] = {}
+    for log, run in zip(logs, runs):
+        for label, ms in steps(log.read_text(), run["ms"]):
+            per_step.setdefault(label, []).append(ms)
+    print(f"\n== steps, median of {len(runs)} runs (ms) ==")
+    for label, values in per_step.items():
+        print(f"{statistics.median(values):8.1f}  {label}")
+    print(f"{statistics.median(r['ms'] for r in runs):8.1f}  total (wall)")
+    print("\n== debug log of the last run ==")
+    print(logs[-1].read_text())
+
+
+def served(ws: workspace.Workspace, machine, base: Path, runs: int) -> int:
+    """The served hook's steps: every container run in one world, beside its server."""
+    from .run import run_world, server_job
+
+    socket = ws.socket("profile")
+    out = base / "probe.jsonl"
+    client = [str(ws.python), *ws.client_argv(machine, socket)]
+    logs = [base / f"debug-{i}.log" for i in range(runs)]
+    entries = [ws.probe_entry(out, client)] * 2 + [ws.probe_entry(out, [*client[:-1], "--debug", str(log), "prestart"])
+                                                   for log in logs]
+    job = {"server": server_job(ws, machine, "profile", socket),
+           "steps": [{"kind": "served_check", "name": "check", "arms": {"served": [str(ws.bundle([entries[0]]))]}},
+                     {"kind": "interleaved", "name": "runs",
+                      "arms": {"served": [str(ws.bundle([entry])) for entry in entries]}}]}
+    results = run_world(machine, job, base)
+    failures = results["runs"]["served"]["failures"]
+    if failures or not all(r["served"] for r in results["check"]["served"]):
+        sys.stderr.write(f"not served or failed: {results['check']} {failures}\n")
+        return 1
+    record = results["servers"]["profile"]
+    print(f"server: start-up to listening {record['ready_ms'][0]:.0f} ms; {record['status'][0]}; "
+          f"resident {record['memory']}")
+    done = [json.loads(line) for line in out.read_text().splitlines()][1:]   # the check's run first
+    print("client per run (the server's child's CPU is not the client's): wall ms / CPU ms / minor page faults:")
+    print("  no debug log:", ", ".join(f"{r['ms']:.0f}/{r['cpu_ms']:.0f}/{r['minflt']}" for r in done[:2]))
+    print("  --debug:", ", ".join(f"{r['ms']:.0f}/{r['cpu_ms']:.0f}/{r['minflt']}" for r in done[2:]))
+    print_steps(logs, done[2:])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hookprofile", description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--runs", type=int, default=10, help="logged runs for the step medians")
+    parser.add_argument("--served", action="store_true",
+                        help="the served hook (client + resident nvcontainer serve): steps and debug log only")
     args = parser.parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="nvc-hookprof-"))
     try:
         ws = workspace.create(base)
         machine = ws.machine("fast", FakeSpec(gpus=2))
+        if args.served:
+            return served(ws, machine, base, args.runs)
         out, err, prof = (base / n for n in ("probe.jsonl", "stderr.txt", "hook.prof"))
         hook = [str(ws.hook), "--root", str(machine.root), "prestart"]
         warm = ws.probe_entry(out, hook)
@@ -90,16 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print("  warm:", ", ".join(f"{r['ms']:.0f}/{r['cpu_ms']:.0f}/{r['minflt']}" for r in runs[:2]))
         print("  --debug:", ", ".join(f"{r['ms']:.0f}/{r['cpu_ms']:.0f}/{r['minflt']}" for r in logged_runs))
         print("  -X importtime, cProfile:", ", ".join(f"{r['ms']:.0f}/{r['cpu_ms']:.0f}" for r in runs[-2:]))
-        per_step: dict[str, list[float]] = {}
-        for log, run in zip(logs, logged_runs):
-            for label, ms in steps(log.read_text(), run["ms"]):
-                per_step.setdefault(label, []).append(ms)
-        print(f"\n== steps, median of {args.runs} runs (ms) ==")
-        for label, values in per_step.items():
-            print(f"{statistics.median(values):8.1f}  {label}")
-        print(f"{statistics.median(r['ms'] for r in logged_runs):8.1f}  total (wall)")
-        print("\n== debug log of the last run ==")
-        print(logs[-1].read_text())
+        print_steps(logs, logged_runs)
         print("== imports, slowest first (cumulative) ==")
         print("\n".join(importtime_top(err.read_text(), args.top)))
         print("\n== cProfile, cumulative ==")

@@ -52,6 +52,9 @@ def machine_facts() -> dict:
         "runc": first(["runc", "--version"]),
         "page_fault_us": page_fault_us(),
         "loadavg_start": os.getloadavg()[0],
+        # a server on the default socket would be asked (and decline: another mount namespace) by
+        # the in-process arms' hooks, a round trip they would not pay without it
+        "default_socket_present": os.path.lexists("/run/nvcontainer/hook.sock"),
     }
 
 
@@ -80,6 +83,19 @@ def run_world(machine, job: dict, base: Path, *, cgroup2: bool = False) -> dict:
     return json.loads(result_file.read_text())
 
 
+def server_job(ws: workspace.Workspace, machine, world: str, socket: Path) -> dict:
+    """What :mod:`benchmarks.world` needs to run this world's ``nvcontainer serve``."""
+    return {"name": world, "argv": ws.server_argv(machine, socket), "env": workspace.SERVER_ENV,
+            "socket": str(socket), "log": str(ws.base / f"serve-{world}.log")}
+
+
+def merge(results: dict, world: dict) -> None:
+    """A world's results into the run's; the servers of all worlds side by side."""
+    servers = world.pop("servers", {})
+    results.update(world)
+    results.setdefault("servers", {}).update(servers)
+
+
 def probe_results(path: Path) -> dict:
     lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     ok = [r for r in lines if r["rc"] == 0]
@@ -103,11 +119,25 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
     config = base / "config.toml"
     config.write_text("deadline = 30\n")
     results: dict = {}
+    sock_v1, sock_v2, sock_slow = ws.socket("v1"), ws.socket("v2"), ws.socket("slow")
 
     def bundles(n: int, *hooks: dict, env=workspace.CONTAINER_ENV) -> list[str]:
         return [str(ws.bundle(list(hooks), env=env)) for _ in range(n)]
 
-    arms = {"none": ([], workspace.CONTAINER_ENV), "hook": ([ws.hook_entry(fast)], workspace.CONTAINER_ENV),
+    def check(n: int, entries: dict) -> dict:
+        """A served_check step: ``n`` runs of each served registration (verified, memory)."""
+        return {"kind": "served_check", "name": "served-check", "arms": {arm: bundles(n, entry)
+                                                                          for arm, entry in entries.items()}}
+
+    served, served_console = ws.served_entry(fast, sock_v1), ws.hook_entry(fast, None, "--socket", str(sock_v1))
+    # Served arms first in the table; every arm of a step is interleaved with every other.
+    arms = {"none": ([], workspace.CONTAINER_ENV),
+            "served": ([served], workspace.CONTAINER_ENV),
+            "served-console": ([served_console], workspace.CONTAINER_ENV),
+            "served-nogpu": ([served], []),
+            "hook": ([ws.hook_entry(fast)], workspace.CONTAINER_ENV),
+            # setup's registration while its server is down: the client, then the in-process hook
+            "fallback": ([ws.served_entry(fast, ws.socket("none"))], workspace.CONTAINER_ENV),
             "hook+config": ([ws.hook_entry(fast, None, "--config", str(config))], workspace.CONTAINER_ENV),
             "hook-nogpu": ([ws.hook_entry(fast)], [])}
     if ws.editable_hook:
@@ -115,18 +145,24 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
     for label, script in ws.others.items():
         arms[f"hook-{label}"] = ([ws.hook_entry(fast, script)], workspace.CONTAINER_ENV)
         arms[f"hook-{label}-nogpu"] = ([ws.hook_entry(fast, script)], [])
-    probes = {"hook": [str(ws.hook), "--root", str(fast.root), "prestart"],
+    probes = {"served": [str(ws.python), *ws.client_argv(fast, sock_v1)],
+              "hook": [str(ws.hook), "--root", str(fast.root), "prestart"],
               "configure": [str(ws.cli), "--root", str(fast.root), "configure", "--pid", "{pid}", "--device", "0",
                             "--compute", "--utility", "{rootfs}"]}
     for label, script in ws.others.items():
         probes[f"hook-{label}"] = [str(script), "--root", str(fast.root), "prestart"]
     steps = []
+    if {"v1", "concurrent", "probes"} & set(parts):
+        # first: is every served registration served in this world? (and the server's first forks)
+        steps.append(check(max(3, min(runs, 10)) if "probes" in parts else 3,
+                           {"served": served, "served-console": served_console}))
     if "v1" in parts:
         steps.append({"kind": "interleaved", "name": "v1",
                       "arms": {arm: bundles(runs, *hooks, env=env) for arm, (hooks, env) in arms.items()},
                       "warmup": {arm: bundles(2, *hooks, env=env) for arm, (hooks, env) in arms.items()}})
     if "concurrent" in parts:
-        steps += [{"kind": "concurrent", "name": "concurrent-hook", "bundles": bundles(concurrency, ws.hook_entry(fast))},
+        steps += [{"kind": "concurrent", "name": "concurrent-served", "bundles": bundles(concurrency, served)},
+                  {"kind": "concurrent", "name": "concurrent-hook", "bundles": bundles(concurrency, ws.hook_entry(fast))},
                   {"kind": "concurrent", "name": "concurrent-none", "bundles": bundles(concurrency)}]
     if "probes" in parts:
         steps.append({"kind": "interleaved", "name": "probes",
@@ -147,57 +183,86 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
             "python-modules": [str(ws.python), "-I", "-c", f"import {HOT_MODULES}"]}})
     if steps:
         sys.stderr.write("cgroup v1, fast NVML\n")
-        results.update(run_world(fast, {"steps": steps}, base))
+        job = {"steps": steps}
+        if steps[0]["kind"] == "served_check":
+            job["server"] = server_job(ws, fast, "v1", sock_v1)
+        merge(results, run_world(fast, job, base))
     if "probes" in parts:
         for arm in probes:
             results[f"probe-{arm}"] = probe_results(base / f"probe-{arm}.jsonl")
 
     if "v2" in parts:
-        job_v2 = {"steps": [{"kind": "interleaved", "name": "v2",
-                             "arms": {"none": bundles(runs), "hook": bundles(runs, ws.hook_entry(fast))},
-                             "warmup": {"none": bundles(2), "hook": bundles(2, ws.hook_entry(fast))}}]}
+        served_v2 = ws.served_entry(fast, sock_v2)
+        v2_arms = {"none": [], "served": [served_v2], "hook": [ws.hook_entry(fast)]}
+        job_v2 = {"server": server_job(ws, fast, "v2", sock_v2), "steps": [
+            dict(check(3, {"served": served_v2}), name="served-check-v2"),
+            {"kind": "interleaved", "name": "v2",
+             "arms": {arm: bundles(runs, *hooks) for arm, hooks in v2_arms.items()},
+             "warmup": {arm: bundles(2, *hooks) for arm, hooks in v2_arms.items()}}]}
         sys.stderr.write("cgroup v2, fast NVML\n")
-        results.update(run_world(fast, job_v2, base, cgroup2=True))
+        merge(results, run_world(fast, job_v2, base, cgroup2=True))
 
     if "slow" in parts:
         rounds, later = max(3, runs // 6), 5
         knob = {"nvml_config": str(fast.nvml_config), "delay_ms": nvml_delay, "cache_dir": CACHE_DIR,
                 "root": str(fast.root)}
+        served_slow = ws.served_entry(fast, sock_slow)
         steps = [
+            dict(check(3, {"served": served_slow}), name="served-check-slow"),
             dict(knob, kind="after_reboot", name="slow", rounds=rounds, later=later,
                  bundles=bundles(rounds * (1 + 2 * later), ws.hook_entry(fast))),
+            dict(knob, kind="after_reboot_served", name="slow-served", rounds=rounds, later=later,
+                 bundles=bundles(rounds * (2 + 2 * later), served_slow)),
             dict(knob, kind="concurrent_after_reboot", name="concurrent-after-reboot",
                  bundles=bundles(concurrency, ws.hook_entry(fast))),
+            dict(knob, kind="concurrent_after_reboot", name="concurrent-after-reboot-served",
+                 bundles=bundles(concurrency, served_slow)),
         ]
         sys.stderr.write(f"cgroup v1, NVML initialisation {nvml_delay} ms\n")
-        results.update(run_world(fast, {"steps": steps}, base))
+        merge(results, run_world(fast, {"server": server_job(ws, fast, "slow", sock_slow), "steps": steps}, base))
     return results
 
 
 ROWS = (
     ("# runc run of busybox true (interleaved)", None),
     ("cgroup v1, no hook", "v1/none"),
-    ("cgroup v1, hook", "v1/hook"),
-    ("cgroup v1, hook + config.toml", "v1/hook+config"),
-    ("cgroup v1, hook (editable install)", "v1/hook-editable"),
-    ("cgroup v1, hook, container asks no GPU", "v1/hook-nogpu"),
+    ("cgroup v1, hook (served)", "v1/served"),
+    ("cgroup v1, hook (served, console script)", "v1/served-console"),
+    ("cgroup v1, hook (served), container asks no GPU", "v1/served-nogpu"),
+    ("cgroup v1, hook (in-process)", "v1/hook"),
+    ("cgroup v1, hook (setup's registration, no server: in-process)", "v1/fallback"),
+    ("cgroup v1, hook (in-process) + config.toml", "v1/hook+config"),
+    ("cgroup v1, hook (in-process, editable install)", "v1/hook-editable"),
+    ("cgroup v1, hook (in-process), container asks no GPU", "v1/hook-nogpu"),
     ("cgroup v1, hook ({label})", "v1/hook-*"),
     ("cgroup v2, no hook", "v2/none"),
-    ("cgroup v2, hook", "v2/hook"),
-    ("# NVML initialisation {delay} ms, interleaved (cgroup v1)", None),
+    ("cgroup v2, hook (served)", "v2/served"),
+    ("cgroup v2, hook (in-process)", "v2/hook"),
+    ("# NVML initialisation {delay} ms, hook (served), cgroup v1", None),
+    ("serve start-up after reboot, to listening (pays NVML)", "slow-served/serve-start"),
+    ("first start after reboot, server started after it", "slow-served/first"),
+    ("later starts", "slow-served/later"),
+    ("starts with NVML fast (0 ms)", "slow-served/fast"),
+    ("start with the cache stale under a running server", "slow-served/stale"),
+    ("# NVML initialisation {delay} ms, hook (in-process), cgroup v1", None),
     ("first start after reboot", "slow/first"),
     ("later starts", "slow/later"),
     ("starts with NVML fast (0 ms)", "slow/fast"),
     ("# {concurrency} containers started at once", None),
     ("no hook", "concurrent-none"),
-    ("hook", "concurrent-hook"),
-    ("hook, right after reboot (NVML {delay} ms)", "concurrent-after-reboot"),
-    ("# one process, timed alone", None),
-    ("nvcontainer-hook (in a prestart)", "probe-hook"),
+    ("hook (served)", "concurrent-served"),
+    ("hook (in-process)", "concurrent-hook"),
+    ("hook (served), cache stale under a running server", "concurrent-after-reboot-served"),
+    ("hook (in-process), right after reboot", "concurrent-after-reboot"),
+    ("# one process, timed alone (in a prestart)", None),
+    ("hook client (served): wall, the server's work included", "probe-served"),
+    ("  the client's CPU time (not the server's child's)", "probe-served/cpu"),
+    ("nvcontainer-hook (in-process)", "probe-hook"),
     ("  its CPU time (user + system)", "probe-hook/cpu"),
-    ("nvcontainer configure (in a prestart)", "probe-configure"),
+    ("nvcontainer configure", "probe-configure"),
     ("  its CPU time (user + system)", "probe-configure/cpu"),
     ("nvcontainer-hook ({label})", "probe-hook-*"),
+    ("# commands", None),
     ("nvcontainer configure --dry-run", "commands/dry-run"),
     ("nvcontainer info", "commands/info"),
     ("nvcontainer list", "commands/list"),
@@ -208,11 +273,75 @@ ROWS = (
 )
 
 
+def _mib(kb) -> float | None:
+    return None if kb is None else kb / 1024
+
+
+def server_section(results: dict) -> tuple[list[str], dict]:
+    """Lines about the resident servers and the served requests' memory, and their numbers.
+    The table's rows are times; this is what the server itself cost and whether it served."""
+    servers = results.get("servers", {})
+    checks = {name: value for name, value in results.items() if name.startswith("served-check")}
+    lines: list[str] = []
+    facts: dict = {"not_served": {}, "unclean_stop": {}}
+    if not servers and not checks:
+        return lines, facts
+    lines.append("nvcontainer serve (one per world, in runc's mount namespace)")
+    for world, record in servers.items():
+        ready = record.get("ready_ms", [])
+        mem = record.get("memory") or {}
+        text = f"  {world}: start-up to listening {ready[0]:.0f} ms" if ready else f"  {world}: never ready"
+        if len(ready) > 1:
+            text += f" (restarts: median {stats.summary(ready[1:])['median']:.0f} ms)"
+        if mem:
+            text += (f"; resident: VmRSS {mem['VmRSS'] / 1024:.1f} MiB, VmHWM {mem['VmHWM'] / 1024:.1f}, "
+                     f"Pss {mem.get('Pss', 0) / 1024:.1f}, private {mem.get('Private', 0) / 1024:.1f}")
+        lines.append(text)
+        if record.get("status"):
+            lines.append(f"    {record['status'][0]}")
+        bad = [(rc, left) for rc, left in zip(record.get("stop_rc", []), record.get("socket_left", []))
+               if rc != 0 or left]
+        if bad or not record.get("stop_rc") or record.get("died"):
+            facts["unclean_stop"][world] = {"exit status, socket left": bad, "died": record.get("died", 0)}
+            lines.append(f"    DIED OR DID NOT STOP CLEANLY on SIGTERM: {facts['unclean_stop'][world]}")
+    for step, arms in checks.items():
+        for arm, runs in arms.items():
+            served = sum(1 for r in runs if r["served"] and r["rc"] == 0)
+            if served < len(runs):
+                facts["not_served"][f"{step}/{arm}"] = [r for r in runs if not (r["served"] and r["rc"] == 0)]
+            lines.append(f"  {step}/{arm}: {served} of {len(runs)} runs served (a worker of the server's child seen)"
+                         + ("" if served == len(runs) else "  NOT SERVED: the timings of this registration are "
+                                                            "in-process runs"))
+    cpu = servers.get("v1", {}).get("children_cpu_ms", {}).get("concurrent-served")
+    n = len(results.get("concurrent-served", {}).get("ms", []))
+    if cpu is not None and n:
+        facts["concurrent_server_cpu_ms_per_request"] = cpu / n
+        lines.append(f"  concurrent-served: CPU of the server's children (requests and their workers), "
+                     f"per request: {cpu / n:.1f} ms")
+    runs = [r for r in checks.get("served-check", {}).get("served", []) if r["served"]]
+    client = results.get("probe-served", {}).get("maxrss_kb")
+    inproc = results.get("probe-hook", {}).get("maxrss_kb")
+    facts.update(client_rss_mib=_mib(max(client)) if client else None,
+                 inprocess_rss_mib=_mib(max(inproc)) if inproc else None,
+                 request_private_mib=_mib(max(r["private_kb"] for r in runs)) if runs else None,
+                 request_child_hwm_mib=_mib(max(r["child_hwm_kb"] for r in runs)) if runs else None)
+    lines.append("memory per container start, MiB (max over the runs)")
+    for label, key in (("hook client (served): peak RSS", "client_rss_mib"),
+                       ("served request: private memory of the server's child and its workers (sampled)",
+                        "request_private_mib"),
+                       ("served request: the server's child's VmHWM (counts pages it shares with the server)",
+                        "request_child_hwm_mib"),
+                       ("nvcontainer-hook (in-process): peak RSS of the hook or a worker", "inprocess_rss_mib")):
+        if facts[key] is not None:
+            lines.append(f"  {label}: {facts[key]:.1f}")
+    return lines, facts
+
+
 def report(results: dict, facts: dict, runs: int, concurrency: int, nvml_delay: int) -> tuple[str, dict]:
     series = _series(results)
     s = {name: stats.summary(value["ms"]) for name, value in series.items()}
     for name, value in results.items():
-        if "cpu_ms" in value:
+        if isinstance(value, dict) and "cpu_ms" in value:
             s[f"{name}/cpu"] = stats.summary(value["cpu_ms"])
 
     def median(name: str) -> float | None:
@@ -224,39 +353,77 @@ def report(results: dict, facts: dict, runs: int, concurrency: int, nvml_delay: 
     def paired(a: str, b: str) -> float | None:
         return stats.paired_median(series[a]["ms"], series[b]["ms"]) if a in series and b in series else None
 
-    rss = results.get("probe-hook", {}).get("maxrss_kb")
-    rss_mib = max(rss) / 1024 if rss else None
-    single, conc = median("v1/hook"), s.get("concurrent-hook", {})
-    ratio = conc["p95"] / single if conc.get("n") and single else None
-    later_ok = None
-    if diff("slow/later", "slow/fast") is not None:
-        later_ok = diff("slow/later", "slow/fast") <= TARGET_SLOW and s["slow/later"]["max"] < s["slow/first"]["min"]
+    def ratio(step: str, single: str) -> float | None:
+        conc = s.get(step, {})
+        return conc["p95"] / median(single) if conc.get("n") and median(single) else None
+
+    def slow_ok(step: str, first: str) -> bool | None:
+        """later - fast within target, and the later starts all faster than a start that paid NVML
+        (else NVML was never slow and the comparison says nothing)."""
+        gap = diff(f"{step}/later", f"{step}/fast")
+        if gap is None or not s.get(f"{step}/{first}", {}).get("n"):
+            return None
+        return gap <= TARGET_SLOW and s[f"{step}/later"]["max"] < s[f"{step}/{first}"]["min"]
+
+    lines, served_facts = server_section(results)
+    rss = served_facts.get("client_rss_mib")
+    private = served_facts.get("request_private_mib")
+    served_rss = None if rss is None or private is None else rss + private
     derived = {
-        "overhead_v1_ms": diff("v1/hook", "v1/none"), "overhead_v2_ms": diff("v2/hook", "v2/none"),
-        "paired_overhead_v1_ms": paired("v1/hook", "v1/none"), "paired_overhead_v2_ms": paired("v2/hook", "v2/none"),
-        "slow_later_minus_fast_ms": diff("slow/later", "slow/fast"),
-        "paired_slow_later_minus_fast_ms": paired("slow/later", "slow/fast"),
-        "concurrent_p95_over_single_median": ratio, "hook_peak_rss_mib": rss_mib,
+        "overhead_v1_ms": diff("v1/served", "v1/none"), "overhead_v2_ms": diff("v2/served", "v2/none"),
+        "paired_overhead_v1_ms": paired("v1/served", "v1/none"), "paired_overhead_v2_ms": paired("v2/served", "v2/none"),
+        "slow_later_minus_fast_ms": diff("slow-served/later", "slow-served/fast"),
+        "paired_slow_later_minus_fast_ms": paired("slow-served/later", "slow-served/fast"),
+        "concurrent_p95_over_single_median": ratio("concurrent-served", "v1/served"),
+        "served_memory_per_start_mib": served_rss,
+        "inprocess": {
+            "overhead_v1_ms": diff("v1/hook", "v1/none"), "overhead_v2_ms": diff("v2/hook", "v2/none"),
+            "paired_overhead_v1_ms": paired("v1/hook", "v1/none"),
+            "paired_overhead_v2_ms": paired("v2/hook", "v2/none"),
+            "slow_later_minus_fast_ms": diff("slow/later", "slow/fast"),
+            "concurrent_p95_over_single_median": ratio("concurrent-hook", "v1/hook"),
+            "hook_peak_rss_mib": served_facts.get("inprocess_rss_mib")},
+        **served_facts,
         "failures": {name: len(value["failures"]) for name, value in series.items() if value["failures"]},
     }
     for name in series:
-        if name.startswith("v1/hook"):
+        if name.startswith("v1/") and name != "v1/none":
             derived[f"overhead_{name[3:]}_ms"] = diff(name, "v1/none")
+        if name.startswith("v2/") and name != "v2/none":
+            derived[f"overhead_v2_{name[3:]}_ms"] = diff(name, "v2/none")
 
     def within(value, target):
         return None if value is None else value <= target
 
+    def all_ok(step: str) -> bool:
+        return not results.get(step, {}).get("failures")
+
+    inproc = derived["inprocess"]
     checks = [
-        ("hook overhead, cgroup v1 (Δ median)", derived["overhead_v1_ms"], f"<= {TARGET_V1:g} ms (aim 15)",
+        ("hook overhead, cgroup v1, served (Δ median)", derived["overhead_v1_ms"], f"<= {TARGET_V1:g} ms (aim 15)",
          within(derived["overhead_v1_ms"], TARGET_V1)),
-        ("hook overhead, cgroup v2 (Δ median)", derived["overhead_v2_ms"], f"<= {TARGET_V2:g} ms",
+        ("hook overhead, cgroup v2, served (Δ median)", derived["overhead_v2_ms"], f"<= {TARGET_V2:g} ms",
          within(derived["overhead_v2_ms"], TARGET_V2)),
-        (f"NVML {nvml_delay} ms: later - fast (median)", derived["slow_later_minus_fast_ms"], f"<= {TARGET_SLOW:g} ms",
-         later_ok),
-        (f"{concurrency} at once: p95 / single median", ratio, f"<= {TARGET_CONCURRENT:g} (x), all succeed",
-         None if ratio is None else ratio <= TARGET_CONCURRENT and not results["concurrent-hook"]["failures"]),
-        ("hook peak RSS (MiB)", rss_mib, f"<= {TARGET_RSS:g} MiB", within(rss_mib, TARGET_RSS)),
+        (f"NVML {nvml_delay} ms, served: later - fast (median)", derived["slow_later_minus_fast_ms"],
+         f"<= {TARGET_SLOW:g} ms", slow_ok("slow-served", "stale")),
+        (f"{concurrency} at once, served: p95 / single median", derived["concurrent_p95_over_single_median"],
+         f"<= {TARGET_CONCURRENT:g} (x), all succeed",
+         None if derived["concurrent_p95_over_single_median"] is None else
+         derived["concurrent_p95_over_single_median"] <= TARGET_CONCURRENT and all_ok("concurrent-served")),
+        ("served: client RSS + request's private (MiB)", served_rss, f"<= {TARGET_RSS:g} MiB",
+         within(served_rss, TARGET_RSS)),
     ]
+    comparison = [
+        ("hook overhead, cgroup v1, in-process", inproc["overhead_v1_ms"], f"<= {TARGET_V1:g} ms"),
+        ("hook overhead, cgroup v2, in-process", inproc["overhead_v2_ms"], f"<= {TARGET_V2:g} ms"),
+        (f"NVML {nvml_delay} ms, in-process: later - fast", inproc["slow_later_minus_fast_ms"], f"<= {TARGET_SLOW:g} ms"),
+        (f"{concurrency} at once, in-process: p95 / median", inproc["concurrent_p95_over_single_median"],
+         f"<= {TARGET_CONCURRENT:g} (x)"),
+        ("hook peak RSS, in-process (MiB)", inproc["hook_peak_rss_mib"], f"<= {TARGET_RSS:g} MiB"),
+    ]
+    # a registration that was not served makes its "served" numbers in-process ones
+    if served_facts["not_served"] or any(u["died"] for u in served_facts["unclean_stop"].values()):
+        checks = [(label, value, target, "INVALID: not served") for label, value, target, _ in checks]
     labels = sorted({name.split("hook-", 1)[1].split("/")[0] for name in s
                      if name.startswith(("v1/hook-", "probe-hook-")) and name not in ("v1/hook-editable", "v1/hook-nogpu")})
     rows = []
@@ -279,24 +446,37 @@ def report(results: dict, facts: dict, runs: int, concurrency: int, nvml_delay: 
     head = (f"machine: {facts['cpu']}, {facts['cpus']} CPUs, {facts['memory_mib']} MiB, {facts['os']}, "
             f"kernel {facts['kernel']}\n"
             f"         Python {facts['python']}, {facts['runc']}, page fault {facts['page_fault_us']} µs, "
-            f"load {facts['loadavg_start']:.2f} at start\n"
-            f"runs per series: {runs}; fake GPU machine: 2 GPUs, driver 550.54.14\n\n")
-    text = head + stats.table(rows, [c for c in checks if c[1] is not None])
+            f"load {facts['loadavg_start']:.2f} at start, {facts.get('loadavg_end', 0):.2f} at end\n"
+            f"runs per series: {runs}; fake GPU machine: 2 GPUs, driver 550.54.14\n"
+            "served: the hook handed to a resident `nvcontainer serve` (the targets are judged on it);\n"
+            "in-process: the hook run by its own interpreter, as without a server (for comparison)\n"
+            + ("WARNING: something listens on /run/nvcontainer/hook.sock: the in-process arms paid its answer\n"
+               if facts.get("default_socket_present") else "") + "\n")
+    shown_checks = [c for c in checks if c[1] is not None]
+    shown_comparison = [(label, value, target, "(not judged)") for label, value, target in comparison
+                        if value is not None]
+    text = head + stats.table(rows, shown_checks, notes=lines, comparison=shown_comparison)
     if derived["failures"]:
         text += f"\nFAILED RUNS: {derived['failures']}\n"
+    if served_facts["not_served"]:
+        text += f"\nNOT SERVED (the server declined or was not reached): {sorted(served_facts['not_served'])}\n"
     return text, {"summaries": s, "derived": derived, "checks": [
         {"label": label, "value": value, "target": target, "met": met} for label, value, target, met in checks]}
 
 
 def _series(results: dict) -> dict:
-    """Flatten results to ``step/arm`` → {"ms": [...], "failures": [...]}."""
+    """Flatten results to ``step/arm`` → {"ms": [...], "failures": [...]}; what is not a timing
+    series (servers, served checks) is left out."""
     out = {}
     for name, value in results.items():
+        if not isinstance(value, dict):
+            continue
         if "ms" in value:
             out[name] = value
         else:
             for arm, series in value.items():
-                out[f"{name}/{arm}"] = series
+                if isinstance(series, dict) and "ms" in series:
+                    out[f"{name}/{arm}"] = series
     return out
 
 

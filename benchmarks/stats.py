@@ -33,9 +33,18 @@ def _cell(value) -> str:
     return "-" if value is None else f"{value:8.1f}"
 
 
-def table(rows: list[tuple[str, dict]], checks: list[tuple[str, float | None, str, bool | None]]) -> str:
-    """Rows of (label, summary) and checks of (label, measured, target text, met)."""
-    width = max([len(label) for label, _ in rows] + [len(label) for label, *_ in checks] + [20])
+def _verdict(met) -> str:
+    if isinstance(met, str):
+        return met
+    return "n/a" if met is None else "met" if met else "NOT MET"
+
+
+def table(rows: list[tuple[str, dict]], checks: list[tuple[str, float | None, str, bool | str | None]],
+          notes: list[str] = (), comparison: list[tuple[str, float | None, str, bool | str | None]] = ()) -> str:
+    """Rows of (label, summary); free ``notes`` lines after them; checks of (label, measured,
+    target text, met: a bool, None for n/a, or a verdict of its own); ``comparison``: checks
+    shown under the targets, of what the targets are not judged on."""
+    width = max([len(label) for label, _ in rows] + [len(label) for label, *_ in (*checks, *comparison)] + [20])
     out = [f"{'':{width}}     n   median      p95      min      max   (ms)"]
     for label, s in rows:
         if label.startswith("#"):
@@ -45,10 +54,13 @@ def table(rows: list[tuple[str, dict]], checks: list[tuple[str, float | None, st
             out.append(f"{label:{width}}     0")
             continue
         out.append(f"{label:{width}} {s['n']:5d} {_cell(s['median'])} {_cell(s['p95'])} {_cell(s['min'])} {_cell(s['max'])}")
-    if checks:
+    if notes:
         out.append("")
-        out.append("targets")
-        for label, value, target, met in checks:
-            verdict = "n/a" if met is None else "met" if met else "NOT MET"
-            out.append(f"{label:{width}}       {_cell(value)}   {target:<28} {verdict}")
+        out += notes
+    for heading, group in (("targets", checks), ("for comparison: the in-process hook", comparison)):
+        if group:
+            out.append("")
+            out.append(heading)
+            for label, value, target, met in group:
+                out.append(f"{label:{width}}       {_cell(value)}   {target:<28} {_verdict(met)}")
     return "\n".join(out) + "\n"

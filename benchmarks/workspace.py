@@ -7,6 +7,10 @@
   development environment's ``site-packages`` for the dependencies), and console scripts written
   the way pip writes them. That is what a regular (non-editable) install looks like at start-up:
   an editable install instead runs setuptools' import finder on every interpreter start.
+* A socket directory per world for the resident ``nvcontainer serve`` (root-owned, 0700, as the
+  server demands), and the registrations that reach it: the one ``nvcontainer setup`` writes
+  (the bare client ``python -I -S <package>/nvcontainer/hookclient.py --socket ...``) and the
+  console script with ``--socket``.
 * OCI bundles: one per container run, each with a fresh copy (hard links) of a busybox rootfs,
   as an engine gives every container a fresh rootfs; ``/proc/driver`` is a tmpfs from the spec,
   standing in for the real driver's procfs directory that the containers' procfs lacks here.
@@ -32,6 +36,9 @@ from tests.fixtures.runtime import busybox_rootfs
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "benchmarks" / "probe.py"
 HOOK_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+# The server's environment, as a service manager gives it: the hook's PATH, so that the inventory
+# it builds at start-up is the very cache entry the hooks' requests look up (PATH is one of its keys).
+SERVER_ENV = {"PATH": HOOK_ENV[0].split("=", 1)[1]}
 CONTAINER_ENV = ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
 
 # What pip writes for a console_scripts entry point (the interpreter path goes on line one).
@@ -52,6 +59,7 @@ class Workspace:
     python: Path          # the production-like interpreter
     hook: Path            # its nvcontainer-hook console script
     cli: Path             # its nvcontainer console script
+    package_dir: Path     # the tree that interpreter imports nvcontainer from
     editable_hook: Path | None   # the development environment's own nvcontainer-hook, if any
     others: dict          # label -> nvcontainer-hook of another tree (--compare)
     template: Path        # pristine busybox rootfs
@@ -88,6 +96,29 @@ class Workspace:
         return {"path": str(script or self.hook), "args": ["nvcontainer-hook", *extra, "--root", str(machine.root),
                                                            "prestart"], "env": HOOK_ENV, "timeout": 60}
 
+    def served_entry(self, machine: FakeMachine, socket: Path) -> dict:
+        """The registration ``nvcontainer setup`` writes for a served hook: the bare client, run
+        without ``site`` (it imports only built-in modules), handing the run to the server."""
+        return {"path": str(self.python), "args": [str(self.python), *self.client_argv(machine, socket)],
+                "env": HOOK_ENV, "timeout": 60}
+
+    def client_argv(self, machine: FakeMachine, socket: Path) -> list[str]:
+        return ["-I", "-S", str(self.package_dir / "nvcontainer" / "hookclient.py"), "--socket", str(socket),
+                "--root", str(machine.root), "prestart"]
+
+    def socket(self, world: str) -> Path:
+        """Where a world's server listens: a fresh root-owned 0700 directory per world, so that
+        no server of one world (mount namespace) is ever asked by the hooks of another."""
+        directory = self.base / f"serve-{world}"
+        directory.mkdir(mode=0o700)
+        directory.chmod(0o700)
+        return directory / "hook.sock"
+
+    def server_argv(self, machine: FakeMachine, socket: Path) -> list[str]:
+        """``nvcontainer serve`` as a service manager would start it, from the production-like
+        interpreter (never the editable development one: its import finder costs every child)."""
+        return [str(self.python), "-m", "nvcontainer", "--root", str(machine.root), "serve", "--socket", str(socket)]
+
     def probe_entry(self, out: Path, argv: list[str], stderr: Path | None = None) -> dict:
         """``argv`` run under the probe, which records its wall time and peak RSS in ``out``."""
         tail = ["--stderr", str(stderr)] if stderr else []
@@ -101,6 +132,7 @@ def create(base: Path, compare: dict[str, str] | None = None) -> Workspace:
     base.mkdir(parents=True, exist_ok=True)
     base.chmod(0o755)   # the unprivileged NVML helper must read the driver roots below
     python, hook, cli = production_venv(base / "venv")
+    package_dir = package_dir_of(python)
     others = {}
     for label, where in (compare or {}).items():
         tree = base / f"tree-{label}"
@@ -118,7 +150,7 @@ def create(base: Path, compare: dict[str, str] | None = None) -> Workspace:
     spec_dir.mkdir()
     subprocess.run(["runc", "spec"], cwd=spec_dir, check=True)
     spec = json.loads((spec_dir / "config.json").read_text())
-    return Workspace(base=base, python=python, hook=hook, cli=cli,
+    return Workspace(base=base, python=python, hook=hook, cli=cli, package_dir=package_dir,
                      editable_hook=editable if editable.exists() else None, others=others, template=template,
                      spec=spec)
 
@@ -138,6 +170,15 @@ def production_venv(dest: Path, tree: Path = REPO) -> tuple[Path, Path, Path]:
         path.chmod(0o755)
         scripts[name] = path
     return python, scripts["nvcontainer-hook"], scripts["nvcontainer"]
+
+
+def package_dir_of(python: Path) -> Path:
+    """The directory holding the ``nvcontainer`` package that ``python`` imports, asked of the
+    interpreter itself (outside this checkout's working directory and environment), so the
+    served registration names the very tree the server runs."""
+    out = subprocess.run([str(python), "-I", "-c", "import nvcontainer, os; print(os.path.dirname(nvcontainer.__path__[0]))"],
+                         capture_output=True, text=True, check=True, cwd="/").stdout.strip()
+    return Path(out)
 
 
 def remove(base: Path) -> None:

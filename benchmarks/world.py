@@ -4,17 +4,25 @@
 fast or slow machine), so the cost of entering the world is never in a measurement. Each step
 of the job is a list of runs; every run is timed from spawn to exit with ``perf_counter`` and
 its exit status kept, so a failure shows up in the results instead of as a fast sample.
+
+A job may name a server (``nvcontainer serve``): it is started here, in this world's mount
+namespace (the server declines hooks from another one), before the first step, and stopped with
+SIGTERM after the last; its start-up time, memory and clean exit are part of the results.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 STATE = ""   # runc's state directory, from the job
+SERVER: "Server | None" = None
+READY = b"nvcontainer serve: listening on "
 
 
 def _runc(*args: str) -> list[str]:
@@ -165,20 +173,229 @@ def forget_boot(cache_dir: str, root: str) -> None:
         os.rename(tmp, path)
 
 
+# --- the resident server ----------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """In the server's child before exec: a world that dies for any reason takes its server along
+    (PR_SET_PDEATHSIG), so no server outlives the mount namespace it was started for."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+class Server:
+    """One ``nvcontainer serve`` of this world: started, restarted and stopped on demand; its
+    stderr goes to a log file, where its "listening on" line says it is ready."""
+
+    def __init__(self, spec: dict):
+        self.argv, self.env, self.socket, self.log = spec["argv"], spec["env"], spec["socket"], spec["log"]
+        self.proc: subprocess.Popen | None = None
+        self.record = {"ready_ms": [], "status": [], "stop_rc": [], "socket_left": [], "died": 0, "memory": None,
+                       "children_cpu_ms": {}}
+
+    def start(self, timeout: float = 120.0) -> float:
+        """Start and wait until it listens; the milliseconds that took (imports, inventory)."""
+        with open(self.log, "ab") as log:
+            offset = log.tell()
+            start = time.perf_counter()
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env,
+                                         cwd="/", preexec_fn=_die_with_parent)
+        while True:
+            with open(self.log, "rb") as f:
+                f.seek(offset)
+                text = f.read()
+            if READY in text:
+                ms = (time.perf_counter() - start) * 1000
+                line = text[text.index(READY):].split(b"\n", 1)[0].decode(errors="replace")
+                self.record["ready_ms"].append(ms)
+                self.record["status"].append(line.split("; ", 1)[-1])
+                return ms
+            if self.proc.poll() is not None or time.perf_counter() - start > timeout:
+                self.stop()
+                raise RuntimeError(f"nvcontainer serve did not start: {text.decode(errors='replace')[-2000:]}")
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:
+            self.record["died"] += 1   # before it was told to stop: the runs since were not served
+        else:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.record["stop_rc"].append(self.proc.returncode)
+        self.record["socket_left"].append(os.path.lexists(self.socket))
+        self.proc = None
+
+    def children_cpu_ms(self) -> float | None:
+        """CPU time (user + system) of the server's reaped children and their workers so far:
+        the served requests' own CPU, which no client-side measurement sees."""
+        if self.proc is None:
+            return None
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[13]) + int(fields[14])) * 1000 / os.sysconf("SC_CLK_TCK")   # cutime, cstime
+
+    def measure_memory(self) -> None:
+        """The resident process's own memory, once, after the runs: what a node pays for the
+        server whether or not a container starts (its per-request children are measured by
+        :func:`served_check`)."""
+        if self.proc is not None:
+            self.record["memory"] = memory_kb(self.proc.pid)
+
+
+def memory_kb(pid: int) -> dict:
+    """VmRSS and VmHWM from status; Pss and private (clean + dirty) from smaps_rollup. Empty when
+    the process is gone."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    out[line.split(":")[0]] = int(line.split()[1])
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            private = 0
+            for line in f:
+                if line.startswith("Pss:"):
+                    out["Pss"] = int(line.split()[1])
+                elif line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    private += int(line.split()[1])
+            out["Private"] = private
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def served_check(step: dict) -> dict:
+    """Containers with a served registration, run while this process samples the server's
+    descendants (untimed: the sampling takes CPU). Per run: whether the request was served, and
+    the memory it took on the server's side.
+
+    Served means a grandchild of the server was seen: a request the server takes runs the hook in
+    its child, which forks the mount and ldconfig workers; a declined one (another namespace) ends
+    in the child within a millisecond, and the client then runs the hook in-process, which would
+    look like a slow served run in the timings. ``child_hwm_kb`` is the child's VmHWM (it counts
+    the pages it shares with the server); ``private_kb`` the peak, over the samples, of the
+    private memory of the whole request tree (child and workers): what a request adds."""
+    out = {}
+    for arm, bundles in step["arms"].items():
+        runs = []
+        for bundle in bundles:
+            name = os.path.basename(bundle)
+            seen_children, seen_grandchildren, hwm, private = set(), set(), 0, 0
+            proc = subprocess.Popen(_runc("run", "--bundle", bundle, name), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            try:
+                while proc.poll() is None:
+                    server = SERVER.proc.pid
+                    total = 0
+                    for child in _children(server):
+                        seen_children.add(child)
+                        tree = [child]
+                        for p in tree:
+                            kids = _children(p)
+                            seen_grandchildren.update(kids)
+                            tree += kids
+                        for p in tree:
+                            mem = memory_kb(p)
+                            total += mem.get("Private", 0)
+                            if p == child:
+                                hwm = max(hwm, mem.get("VmHWM", 0))
+                    private = max(private, total)
+                    time.sleep(0.0005)
+                err = proc.stdout.read().decode(errors="replace")[-600:]
+            finally:
+                subprocess.run(_runc("delete", "-f", name), capture_output=True)
+            runs.append({"rc": proc.returncode, "served": bool(seen_grandchildren), "children": len(seen_children),
+                         "child_hwm_kb": hwm, "private_kb": private, "error": err if proc.returncode else ""})
+        out[arm] = runs
+    return out
+
+
+def after_reboot_served(step: dict) -> dict:
+    """The served hook with NVML slow. A server builds the inventory before it listens, so after
+    a reboot it is the server's start-up that meets NVML, not a container. Each round:
+
+    * a reboot is simulated (the cache entry gets another boot id) and the server restarted:
+      ``serve-start`` is its time to listening (NVML paid there), ``first`` the first container
+      after that;
+    * ``later`` starts, each followed by a ``fast`` one (NVML fast again), as in-process;
+    * ``stale``: the cache entry made stale again under the running server (as if the driver or
+      the ld cache changed): that request pays NVML itself.
+    """
+    out = {key: {"ms": [], "failures": []} for key in ("serve-start", "first", "later", "fast", "stale")}
+    bundles = iter(step["bundles"])
+
+    def one(key: str) -> None:
+        ms, rc, err = run_container(next(bundles))
+        if rc == 0:
+            out[key]["ms"].append(ms)
+        else:
+            out[key]["failures"].append(err)
+
+    try:
+        for _ in range(step["rounds"]):
+            set_nvml_delay(step["nvml_config"], step["delay_ms"])
+            SERVER.stop()
+            forget_boot(step["cache_dir"], step["root"])
+            out["serve-start"]["ms"].append(SERVER.start())
+            one("first")
+            for key in ["later", "fast"] * step["later"]:
+                set_nvml_delay(step["nvml_config"], 0 if key == "fast" else step["delay_ms"])
+                one(key)
+            set_nvml_delay(step["nvml_config"], step["delay_ms"])
+            forget_boot(step["cache_dir"], step["root"])
+            one("stale")
+    finally:
+        set_nvml_delay(step["nvml_config"], 0)
+    return out
+
+
 STEPS = {"interleaved": interleaved, "concurrent": concurrent, "commands": commands, "after_reboot": after_reboot,
-         "concurrent_after_reboot": concurrent_after_reboot}
+         "concurrent_after_reboot": concurrent_after_reboot, "served_check": served_check,
+         "after_reboot_served": after_reboot_served}
 
 
 def main(argv: list[str]) -> int:
-    global STATE
+    global STATE, SERVER
     with open(argv[0]) as f:
         job = json.load(f)
     STATE = job["state"]
     os.makedirs(STATE, exist_ok=True)
     results = {}
-    for step in job["steps"]:
-        sys.stderr.write(f"  {step['name']} ...\n")
-        results[step["name"]] = STEPS[step["kind"]](step)
+    if job.get("server"):
+        SERVER = Server(job["server"])
+        sys.stderr.write("  nvcontainer serve ...\n")
+        SERVER.start()
+    try:
+        for step in job["steps"]:
+            sys.stderr.write(f"  {step['name']} ...\n")
+            before = SERVER.children_cpu_ms() if SERVER else None
+            results[step["name"]] = STEPS[step["kind"]](step)
+            after = SERVER.children_cpu_ms() if SERVER else None
+            if before is not None and after is not None:   # a restart in the step resets the count
+                SERVER.record["children_cpu_ms"][step["name"]] = after - before
+        if SERVER:
+            SERVER.measure_memory()
+    finally:
+        if SERVER:
+            SERVER.stop()
+    if SERVER:
+        results["servers"] = {job["server"]["name"]: SERVER.record}
     with open(argv[1], "w") as f:
         json.dump(results, f)
     return 0
