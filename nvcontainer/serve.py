@@ -34,6 +34,7 @@ import socket
 import stat
 import struct
 import sys
+import time
 
 from . import hookclient, log
 from .errors import NvcError, escape
@@ -41,6 +42,7 @@ from .errors import NvcError, escape
 MAX_CHILDREN = 256
 BACKLOG = 256
 REQUEST_TIMEOUT = 10.0   # for the request message to arrive after connect
+CLIENT_GONE_GRACE = 0.1  # seconds a child may take to exit after its client hung up
 _NAMESPACES = ("mnt", "pid", "cgroup", "user")
 
 
@@ -136,17 +138,39 @@ def _private_dir(path: str) -> None:
 # --- the loop --------------------------------------------------------------------------------------
 
 
-class _Stop(Exception):
-    pass
+class _Request:
+    """A child serving one client. ``gone``: when its client hung up, if it has."""
+
+    __slots__ = ("pid", "conn", "gone")
+
+    def __init__(self, pid: int, conn: socket.socket):
+        self.pid, self.conn, self.gone = pid, conn, None
 
 
 def serve(path: str, cfg, *, ready=None) -> int:
-    """Serve until SIGTERM or SIGINT. ``ready`` (a callable) is told once requests are taken."""
-    preload()
-    status = warm(cfg)
-    log.info(status)
+    """Serve until SIGTERM or SIGINT. ``ready`` (a callable) is told once requests are taken.
+
+    The socket is bound before the imports and the inventory: a hook that comes during the
+    warm-up (a node booting, NVML slow) waits in the backlog for a warm answer instead of
+    finding nothing and running cold into the same NVML initialisation."""
     sock = listen(path)
     mine = os.stat(path)
+    try:
+        preload()
+        status = warm(cfg)
+        log.info(status)
+        return _loop(sock, status, ready)
+    finally:
+        sock.close()
+        try:
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(path)
+        except OSError:
+            pass
+
+
+def _loop(sock: socket.socket, status: str, ready) -> int:
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     stopping: list[int] = []
 
@@ -155,7 +179,7 @@ def serve(path: str, cfg, *, ready=None) -> int:
 
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-    children: dict[int, tuple[int, socket.socket]] = {}   # pidfd -> (pid, connection)
+    children: dict[int, _Request] = {}   # by pidfd
     # Everything imported so far lives as long as the server: keep it out of the collector's
     # walks, here and in every child, whose pages then stay shared.
     gc.collect()
@@ -171,36 +195,41 @@ def serve(path: str, cfg, *, ready=None) -> int:
             if len(children) < MAX_CHILDREN:
                 poller.register(sock.fileno(), select.POLLIN)
             by_conn = {}
-            for pidfd, (_pid, conn) in children.items():
+            timeout = None
+            for pidfd, req in children.items():
                 poller.register(pidfd, select.POLLIN)
-                poller.register(conn.fileno(), 0)   # only POLLHUP/POLLERR: the client went away
-                by_conn[conn.fileno()] = pidfd
-            for fd, events in poller.poll():
+                if req.gone is None:
+                    poller.register(req.conn.fileno(), 0)   # only POLLHUP/POLLERR: the client hung up
+                    by_conn[req.conn.fileno()] = pidfd
+                else:
+                    left = req.gone + CLIENT_GONE_GRACE - time.monotonic()
+                    timeout = left if timeout is None else min(timeout, left)
+            events = poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
+            for fd, what in events:
                 if fd == wake_r:
                     _drain(wake_r)
                 elif fd == sock.fileno():
                     _accept(sock, children)
                 elif fd in children:
                     _reap(fd, children)
-                elif fd in by_conn and events & (select.POLLHUP | select.POLLERR):
-                    pidfd = by_conn[fd]
-                    if pidfd in children:
-                        log.info(f"client of request {children[pidfd][0]} went away: killing it")
-                        _kill(children[pidfd][0])
+                elif fd in by_conn and what & (select.POLLHUP | select.POLLERR) and by_conn[fd] in children:
+                    children[by_conn[fd]].gone = time.monotonic()
+            # A client hangs up once it has its answer, and a child that answered exits at once:
+            # only one still there after the grace lost its client (a runtime's timeout), and
+            # nobody is waiting for what it would still do.
+            now = time.monotonic()
+            for req in children.values():
+                if req.gone is not None and now - req.gone >= CLIENT_GONE_GRACE:
+                    log.info(f"client of request {req.pid} went away: killing it")
+                    _kill(req.pid)
+                    req.gone = float("inf")
     finally:
         signal.set_wakeup_fd(-1)
         for signo, handler in old_handlers.items():
             signal.signal(signo, handler)
-        sock.close()
-        try:
-            now = os.lstat(path)
-            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
-                os.unlink(path)
-        except OSError:
-            pass
-        for pidfd, (pid, conn) in list(children.items()):
+        for pidfd, req in list(children.items()):
             select.select([pidfd], [], [], 5.0)   # let a request in flight finish
-            _kill(pid)
+            _kill(req.pid)
             _reap(pidfd, children)
         os.close(wake_r)
         os.close(wake_w)
@@ -239,17 +268,17 @@ def _accept(sock: socket.socket, children: dict) -> None:
             code = handle(conn)
         finally:
             os._exit(code)
-    children[os.pidfd_open(pid)] = (pid, conn)
+    children[os.pidfd_open(pid)] = _Request(pid, conn)
 
 
 def _reap(pidfd: int, children: dict) -> None:
-    pid, conn = children.pop(pidfd)
+    req = children.pop(pidfd)
     try:
-        os.waitpid(pid, 0)
+        os.waitpid(req.pid, 0)
     except ChildProcessError:
         pass
     os.close(pidfd)
-    conn.close()
+    req.conn.close()
 
 
 def _kill(pid: int) -> None:

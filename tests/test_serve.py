@@ -402,3 +402,39 @@ def test_podman_runs_the_client_that_setup_registers(fake_machine, tmp_path):
     assert res["rc"] == 0, res["stderr"]
     assert rt.parse_facts(res["stdout"])["OPEN0"] == ["cat: can't open '/dev/nvidia0': No such device or address"]
     assert SERVED in log.read_text()
+
+
+def test_a_hook_during_the_warm_up_waits_for_a_warm_answer(fake_machine_factory, tmp_path, bundle, pid):
+    """A node booting: NVML is slow, the server is still building the inventory. The socket is
+    already there, so the hook queues for the server instead of running cold."""
+    from tests.fixtures.fakegpu import FakeSpec
+
+    machine = fake_machine_factory(FakeSpec(gpus=2, init_delay_ms=1500))
+    write_config(bundle, ["NVIDIA_VISIBLE_DEVICES=0"])
+    sock = str(tmp_path / "srv" / "hook.sock")
+    log = tmp_path / "hook.log"
+    driver = textwrap.dedent(r"""
+        import os, subprocess, sys, time
+        sock, root, debug, log, state = sys.argv[1:6]
+        server = subprocess.Popen([sys.executable, "-I", "-m", "nvcontainer", "--root", root, "--debug", debug,
+                                   "serve", "--socket", sock], stderr=subprocess.PIPE, text=True)
+        while not os.path.exists(sock):
+            time.sleep(0.005)
+        started = time.monotonic()
+        hook = subprocess.run([sys.executable, "-I", "-S", sys.argv[6], "--socket", sock, "--root", root,
+                               "--debug", log, "--dry-run", "prestart"], input=state, capture_output=True, text=True)
+        took = time.monotonic() - started
+        ready = server.stderr.readline()
+        server.terminate()
+        server.wait()
+        print(hook.returncode, ready.strip(), hook.stderr.strip(), took, sep="|")
+    """)
+    res = subprocess.run(fake_proc_command(machine, [sys.executable, "-I", "-c", driver, sock, str(machine.root),
+                                                     str(tmp_path / "serve.log"), str(log), state(pid, bundle),
+                                                     CLIENT]),
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    rc, ready, err, took = res.stdout.strip().split("|")
+    assert rc == "0", (err, res.stderr)
+    assert float(took) > 1.0   # it waited for NVML's 1.5 s through the server's warm-up
+    assert ready.startswith("nvcontainer serve: listening on")
+    assert SERVED in log.read_text()
