@@ -138,6 +138,9 @@ def _private_dir(path: str) -> None:
 # --- the loop --------------------------------------------------------------------------------------
 
 
+_KILLED = -1.0   # Request.gone once the child was killed (it is reaped when its pidfd says so)
+
+
 class _Request:
     """A child serving one client. ``gone``: when its client hung up, if it has."""
 
@@ -201,7 +204,7 @@ def _loop(sock: socket.socket, status: str, ready) -> int:
                 if req.gone is None:
                     poller.register(req.conn.fileno(), 0)   # only POLLHUP/POLLERR: the client hung up
                     by_conn[req.conn.fileno()] = pidfd
-                else:
+                elif req.gone != _KILLED:
                     left = req.gone + CLIENT_GONE_GRACE - time.monotonic()
                     timeout = left if timeout is None else min(timeout, left)
             events = poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
@@ -219,10 +222,10 @@ def _loop(sock: socket.socket, status: str, ready) -> int:
             # nobody is waiting for what it would still do.
             now = time.monotonic()
             for req in children.values():
-                if req.gone is not None and now - req.gone >= CLIENT_GONE_GRACE:
+                if req.gone is not None and req.gone != _KILLED and now - req.gone >= CLIENT_GONE_GRACE:
                     log.info(f"client of request {req.pid} went away: killing it")
                     _kill(req.pid)
-                    req.gone = float("inf")
+                    req.gone = _KILLED
     finally:
         signal.set_wakeup_fd(-1)
         for signo, handler in old_handlers.items():
