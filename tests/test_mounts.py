@@ -11,6 +11,8 @@ import traceback
 
 import pytest
 
+from nvcontainer.apply import mounter
+from nvcontainer.errors import NvcError
 from nvcontainer.fs import mounts, syscalls
 from nvcontainer.fs.inroot import create_file_at, mkdirs_in_root, mknod_at, open_in_root
 from nvcontainer.fs.mounts import attach, bind_classic, clone_mount, detach, mount_info_of, set_attrs
@@ -299,6 +301,191 @@ def test_shared_parent_is_detected(layout):
         assert not mount_info_of(private_dir).shared
         attach(clone_mount(str(src), LIB_ATTRS), in_vol)
         assert (layout / "peer/lib/libcuda.so.1").read_text() == "payload"  # it leaked
+
+    run_in_private_ns(body)
+
+
+def counting_parses(monkeypatch) -> list[int]:
+    """How often mountinfo text gets parsed from here on (one element per parse)."""
+    calls: list[int] = []
+    real = mounts.parse_mountinfo
+
+    def counted(text):
+        calls.append(1)
+        return real(text)
+
+    monkeypatch.setattr(mounts, "parse_mountinfo", counted)
+    return calls
+
+
+def test_mount_table_parses_once_and_rereads_only_for_mounts_it_has_not_seen(layout, monkeypatch):
+    rootfs, src = layout / "rootfs", layout / "host" / "lib"
+    parses = counting_parses(monkeypatch)
+
+    def body():
+        root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY)
+        lib = mkdirs_in_root(root_fd, "usr/lib")
+        want = mount_info_of(lib)
+        parses.clear()
+        table = mounts.MountTable()
+        for _ in range(5):
+            assert table.entry_of(lib).mount_point == want.mount_point
+            assert table.entry_of(root_fd).mnt_id == want.mnt_id
+        assert len(parses) == 1
+        mfd = clone_mount(str(src), LIB_ATTRS)
+        with pytest.raises(FileNotFoundError):
+            table.entry_of(mfd)   # detached: a miss, read again, still not there
+        assert len(parses) == 2
+        attach(mfd, lib)
+        table.changed_by_us()
+        on_top = open_in_root(root_fd, "usr/lib")
+        entry = table.entry_of(on_top)   # our new mount: not in the table, so read again
+        assert entry.mount_point == f"{rootfs}/usr/lib" and {"ro", "nosuid"} <= entry.options
+        assert not entry.shared
+        assert len(parses) == 3
+        assert table.entry_of(on_top) is entry and table.entry_of(lib).mnt_id == want.mnt_id
+        assert len(parses) == 3
+        table.close()
+
+    run_in_private_ns(body)
+
+
+def test_mount_table_rereads_after_a_change_it_did_not_make(layout, monkeypatch):
+    """Mount ids are reused, and the host can mount and unmount in a container's namespace
+    through propagation: a change the caller did not announce makes the next lookup read the
+    table again, even for an id the table knows."""
+    rootfs = layout / "rootfs"
+    (rootfs / "a").mkdir()
+    (rootfs / "b").mkdir()
+    parses = counting_parses(monkeypatch)
+
+    def body():
+        syscalls.mount("tmpfs", str(rootfs / "a"), "tmpfs", 0)
+        fd = os.open(rootfs / "a", os.O_PATH | os.O_DIRECTORY)
+        table = mounts.MountTable()
+        assert table.entry_of(fd).mount_point == f"{rootfs}/a"
+        syscalls.mount(str(rootfs / "a"), str(rootfs / "b"), None, 0x2000)   # MS_MOVE, same mount id
+        assert table.entry_of(fd).mount_point == f"{rootfs}/b"
+        assert len(parses) == 2
+        # The same change announced as ours is not read back: the table still says "a". Only
+        # our own attaches, which change no known entry, may be announced.
+        syscalls.mount(str(rootfs / "b"), str(rootfs / "a"), None, 0x2000)
+        table.changed_by_us()
+        assert table.entry_of(fd).mount_point == f"{rootfs}/b"
+        assert len(parses) == 2
+        table.close()
+
+    run_in_private_ns(body)
+
+
+def test_mount_table_sees_a_shared_mount(layout):
+    rootfs = layout / "rootfs"
+    (rootfs / "vol").mkdir()
+    (layout / "peer").mkdir()
+
+    def body():
+        syscalls.mount("tmpfs", str(rootfs / "vol"), "tmpfs", 0)
+        syscalls.mount(None, str(rootfs / "vol"), None, syscalls.MS_SHARED)
+        syscalls.mount(str(rootfs / "vol"), str(layout / "peer"), None, syscalls.MS_BIND)
+        root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY)
+        table = mounts.MountTable()
+        assert table.entry_of(mkdirs_in_root(root_fd, "vol/lib")).shared
+        assert not table.entry_of(mkdirs_in_root(root_fd, "usr/lib")).shared
+        table.close()
+
+    run_in_private_ns(body)
+
+
+# --- mounter.place: the worker body, run here in the test's own private namespace ------------
+
+
+def place_here(rootfs, actions) -> dict:
+    ns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return mounter.place(ns, str(rootfs), actions)
+    finally:
+        os.close(ns)
+
+
+def file_mount(src, target) -> dict:
+    return {"op": "mount", "fd": clone_mount(str(src), LIB_ATTRS), "target": target, "kind": "file", "step": "mount"}
+
+
+def test_place_resolves_parents_again_after_a_directory_mount(layout):
+    """A directory mount covers what a parent resolved earlier in the run led to: later
+    targets below it must land in the new mount, where the container sees them."""
+    rootfs, src = layout / "rootfs", layout / "host" / "lib"
+
+    def body():
+        tmpfs = mounts.tmpfs_detached({"mode": "0755", "size": "1m"}, 0)
+        place_here(rootfs, [
+            file_mount(src / "libcuda.so.1", "/opt/a/x"),
+            {"op": "mount", "fd": tmpfs, "target": "/opt/a", "kind": "dir", "step": "tmpfs"},
+            file_mount(src / "libcuda.so.1", "/opt/a/y"),
+        ])
+        assert os.listdir(rootfs / "opt/a") == ["y"]
+        assert (rootfs / "opt/a/y").read_text() == "payload"
+
+    run_in_private_ns(body)
+
+
+def test_place_refuses_an_entry_in_a_host_directory_mounted_during_the_run(layout):
+    """The directory was the rootfs's own (entries allowed) until a host directory was mounted
+    over it: the next target there is refused, not made in the covered directory."""
+    rootfs, src = layout / "rootfs", layout / "host" / "lib"
+    hostdir = layout / "host" / "dir"
+    hostdir.mkdir()
+
+    def body():
+        actions = [
+            file_mount(src / "libcuda.so.1", "/opt/a/x"),
+            {"op": "mount", "fd": clone_mount(str(hostdir), LIB_ATTRS), "target": "/opt/a", "kind": "dir",
+             "step": "mount"},
+            file_mount(src / "libcuda.so.1", "/opt/a/y"),
+        ]
+        with pytest.raises(NvcError, match="mount /opt/a/y: the directory is a host filesystem mounted into"):
+            place_here(rootfs, actions)
+        assert os.listdir(hostdir) == [] and mounts_under(rootfs) == []
+
+    run_in_private_ns(body)
+
+
+def test_place_resolves_parents_again_after_replacing_a_symlink(layout):
+    rootfs, src = layout / "rootfs", layout / "host" / "lib"
+    (rootfs / "opt/one").mkdir(parents=True)
+    (rootfs / "opt/two").mkdir()
+    os.symlink("one", rootfs / "opt/lib")
+
+    def body():
+        place_here(rootfs, [
+            file_mount(src / "libcuda.so.1", "/opt/lib/x"),
+            {"op": "symlink", "target": "/opt/lib", "link": "two"},
+            file_mount(src / "libcuda.so.1", "/opt/lib/y"),
+        ])
+        assert os.listdir(rootfs / "opt/one") == ["x"] and os.listdir(rootfs / "opt/two") == ["y"]
+        assert (rootfs / "opt/two/y").read_text() == "payload"
+
+    run_in_private_ns(body)
+
+
+def test_place_refuses_a_shared_target_after_earlier_mounts(layout):
+    """The table is read before the first mount; a later target below a shared mount is still
+    refused, and what the run had mounted is undone."""
+    rootfs, src = layout / "rootfs", layout / "host" / "lib"
+    (rootfs / "vol").mkdir()
+    (layout / "peer").mkdir()
+
+    def body():
+        syscalls.mount("tmpfs", str(rootfs / "vol"), "tmpfs", 0)
+        (rootfs / "vol/y").write_text("")
+        syscalls.mount(None, str(rootfs / "vol"), None, syscalls.MS_SHARED)
+        syscalls.mount(str(rootfs / "vol"), str(layout / "peer"), None, syscalls.MS_BIND)
+        with pytest.raises(NvcError, match="mount /vol/y: .* has shared propagation: refusing"):
+            place_here(rootfs, [file_mount(src / "libcuda.so.1", "/usr/lib/x"),
+                                file_mount(src / "libcuda.so.1", "/vol/y")])
+        assert os.listdir(rootfs / "usr/lib") == []   # attached, detached again, placeholder removed
+        assert (layout / "peer/y").read_text() == ""
+        assert sorted(mounts_under(rootfs)) == [f"{rootfs}/vol"]
 
     run_in_private_ns(body)
 
