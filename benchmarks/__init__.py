@@ -44,4 +44,5 @@ Timings are never pass/fail tests: the table says whether issue #6's targets wer
 ``python -m benchmarks.hookprofile [--served]`` shows where one hook run spends its time;
 ``--compare LABEL=DIR|git:REV`` times another tree's hook beside this one (what a change bought);
 ``--only PART`` runs a part (v1, concurrent, probes, commands, v2, slow).
+``python -m benchmarks.mountplace [RUNS]`` times the mount worker's body alone (``place``).
 """
