@@ -9,10 +9,14 @@ test needs to look at the sandbox from inside.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import hashlib
 import os
 import resource
 import shutil
+import stat
 import subprocess
 import time
 
@@ -31,13 +35,16 @@ LIBS = {  # file name -> (directory in the rootfs, SONAME)
 }
 
 # Reads its orders from /mode in the (pivoted) root: "report" writes what it sees to /report,
-# "fail" complains and exits 3, "spin" never ends.
+# "fail" complains and exits 3, "spin" never ends; "tamper" tries to write and chmod its own
+# program (the memfd it runs from), "touch" to set its times, and both then report.
 HELPER_C = r"""
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 extern char **environ;
 static void copy_lines(FILE *out, const char *path, const char *prefix) {
@@ -60,6 +67,16 @@ int main(int argc, char **argv) {
     }
     FILE *out = fopen("/report", "w");
     if (!out) return 4;
+    if (!strncmp(mode, "tamper", 6)) {
+        int wfd = open("/proc/self/exe", O_WRONLY);
+        fprintf(out, "exewrite %s\n", wfd < 0 ? strerror(errno) : "ok");
+        fprintf(out, "exechange %s\n", chmod("/proc/self/exe", 04555) ? strerror(errno) : "ok");
+    }
+    if (!strncmp(mode, "touch", 5))
+        fprintf(out, "exechange %s\n", utimes("/proc/self/exe", NULL) ? strerror(errno) : "ok");
+    struct stat self;
+    if (!stat("/proc/self/exe", &self))
+        fprintf(out, "exe %lu\nexemode %o\n", (unsigned long)self.st_ino, (unsigned)(self.st_mode & 07777));
     for (int i = 0; i < n_open; i++) fprintf(out, "fd %d\n", open_fds[i]);
     for (int i = 0; i < argc; i++) fprintf(out, "argv %s\n", argv[i]);
     int n_env = 0;
@@ -445,3 +462,219 @@ def test_static_elf_check():
     with open("/sbin/ldconfig", "rb") as fh:
         head = fh.read(64)  # program headers cut off
     assert static_elf_problem(head) == "damaged program header table"
+
+
+# --- the program copy: made once, kept while the host file is unchanged ----------------------
+
+
+def own_helper(tmp_path, built) -> str:
+    """A copy of the helper at a path of this test's own: nothing kept from other tests."""
+    path = tmp_path / "bin" / "helper"
+    path.parent.mkdir()
+    shutil.copy(built / "helper", path)
+    return str(path)
+
+
+def exe_seen(container, rootfs: str, program: str) -> tuple[int, int]:
+    """Inode and mode of the program the sandbox ran (its memfd, seen from inside)."""
+    run(container, rootfs, ldconfig_host_path=program)
+    seen = report(rootfs)
+    os.unlink(f"{rootfs}/report")
+    return int(seen["exe"][0]), int(seen["exemode"][0], 8)
+
+
+def open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def test_prepared_copy_is_what_every_run_and_forked_child_runs(container, tmp_path, built):
+    """What ``nvcontainer serve`` does: prepare once, then each forked request child runs the
+    same sealed memfd instead of copying the host file again."""
+    rootfs = helper_rootfs(tmp_path, built, "report")
+    program = own_helper(tmp_path, built)
+    before = open_fds()
+    ldconfig.prepare(program)
+    (memfd,) = open_fds() - before
+    assert os.readlink(f"/proc/self/fd/{memfd}").startswith("/memfd:ldconfig")
+    kept = os.fstat(memfd).st_ino
+    assert exe_seen(container, rootfs, program) == (kept, 0o555)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if exe_seen(container, rootfs, program)[0] == kept else 2
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert exe_seen(container, rootfs, program)[0] == kept
+    assert open_fds() == before | {memfd}
+
+
+def test_kept_copy_cannot_be_changed(tmp_path, built):
+    program = own_helper(tmp_path, built)
+    before = open_fds()
+    ldconfig.prepare(program)
+    (memfd,) = open_fds() - before
+    seals = fcntl.fcntl(memfd, fcntl.F_GET_SEALS)
+    for seal in (fcntl.F_SEAL_WRITE, fcntl.F_SEAL_GROW, fcntl.F_SEAL_SHRINK, fcntl.F_SEAL_SEAL):
+        assert seals & seal
+    with pytest.raises(PermissionError):
+        os.pwrite(memfd, b"\0", 0)
+    with pytest.raises(PermissionError):
+        os.ftruncate(memfd, 0)
+    with pytest.raises(PermissionError):
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, 0)  # the seal set itself is sealed
+    if seal_exec_supported():
+        with pytest.raises(PermissionError):
+            os.fchmod(memfd, 0o444)
+    assert stat.S_IMODE(os.fstat(memfd).st_mode) == 0o555
+
+
+def seal_exec_supported() -> bool:
+    """F_SEAL_EXEC (Linux >= 6.3), tried on a scratch memfd."""
+    fd = os.memfd_create("probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, 0x20)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_changed_host_program_is_copied_again(container, tmp_path, built):
+    rootfs = helper_rootfs(tmp_path, built, "report")
+    program = own_helper(tmp_path, built)
+    first = exe_seen(container, rootfs, program)
+    assert exe_seen(container, rootfs, program) == first
+    # Rewritten in place (same inode, new mtime and ctime): a new copy.
+    with open(program, "r+b") as fh:
+        data = fh.read()
+        fh.seek(0)
+        fh.write(data)
+    second = exe_seen(container, rootfs, program)
+    assert second[0] != first[0]
+    # Replaced by a dynamic program: checked again, and refused.
+    os.rename(shutil.copy("/bin/true", f"{program}.new"), program)
+    with pytest.raises(NvcError, match="not a static executable"):
+        run(container, rootfs, ldconfig_host_path=program)
+
+
+@pytest.mark.parametrize("how", ["tamper", "touch"])
+def test_a_tampered_copy_is_not_run_again(container, tmp_path, built, how):
+    """The sandbox runs as uid 0 and owns the memfd, so it may change its metadata (the seals
+    stop writes, and on Linux >= 6.3 changes of the exec bits): the next run must not use it."""
+    rootfs = helper_rootfs(tmp_path, built, how)
+    program = own_helper(tmp_path, built)
+    before = open_fds()
+    run(container, rootfs, ldconfig_host_path=program)
+    seen = report(rootfs)
+    assert seen.get("exewrite", ["refused"]) != ["ok"]
+    tampered = int(seen["exe"][0])
+    (tmp_path / "rootfs/mode").write_text("report")
+    inode, mode = exe_seen(container, rootfs, program)
+    assert mode == 0o555
+    if seen["exechange"] == ["ok"]:
+        assert inode != tampered
+    else:
+        assert inode == tampered
+    assert len(open_fds() - before) == 1  # a spoiled copy was closed, not leaked
+
+
+def test_a_reused_fd_number_is_left_alone(container, tmp_path, built):
+    """Someone closed the kept memfd and the number now names another file, even one that
+    looks the same (a sealed 0555 memfd): a new copy is made, the other file is neither run
+    nor closed."""
+    rootfs = helper_rootfs(tmp_path, built, "report")
+    program = own_helper(tmp_path, built)
+    before = open_fds()
+    ldconfig.prepare(program)
+    (memfd,) = open_fds() - before
+    impostor = os.memfd_create("ldconfig", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    with open(program, "rb") as fh:
+        os.write(impostor, fh.read())
+    os.fchmod(impostor, 0o555)
+    fcntl.fcntl(impostor, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+                | fcntl.F_SEAL_SEAL)
+    os.dup2(impostor, memfd)
+    os.close(impostor)
+    try:
+        inode, _ = exe_seen(container, rootfs, program)
+        assert inode != os.fstat(memfd).st_ino
+        assert os.readlink(f"/proc/self/fd/{memfd}").startswith("/memfd:ldconfig")  # still open
+    finally:
+        os.close(memfd)
+
+
+@pytest.mark.parametrize("program, problem", [
+    ("/bin/true", "/bin/true: not a static executable (it has a program interpreter)"),
+    ("/etc", "/etc is not a regular file"),
+    ("/nonexistent/ldconfig", "cannot open /nonexistent/ldconfig: No such file or directory"),
+])
+def test_prepare_refuses_what_a_run_would(program, problem):
+    before = open_fds()
+    with pytest.raises(NvcError) as info:
+        ldconfig.prepare(program)
+    assert info.value.category == "ldcache"
+    assert info.value.detail == problem
+    assert open_fds() == before
+
+
+def test_copy_is_bounded(tmp_path, monkeypatch):
+    """By the size the file claims, and by what it really holds (procfs files claim 0)."""
+    monkeypatch.setattr(ldconfig, "MAX_BINARY", 4096)
+    big = tmp_path / "big"
+    big.write_bytes(b"\x7fELF" + b"\0" * 5000)
+    with open("/proc/self/maps", "rb") as fh:
+        assert len(fh.read()) > 4096 and os.stat("/proc/self/maps").st_size == 0
+    before = open_fds()
+    for program in (str(big), "/proc/self/maps"):
+        with pytest.raises(NvcError, match=f"^ldcache error: {program} is larger than 4096 bytes$"):
+            ldconfig.prepare(program)
+    assert open_fds() == before
+
+
+def test_copy_without_sendfile(container, tmp_path, built, monkeypatch):
+    """A filesystem that cannot splice: the copy goes through user space, same result."""
+    def no_sendfile(*args):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "sendfile", no_sendfile)
+    rootfs = helper_rootfs(tmp_path, built, "report")
+    program = own_helper(tmp_path, built)
+    run(container, rootfs, ldconfig_host_path=program)
+    assert report(rootfs)["argv"][0] == "ldconfig"
+
+
+def _raise_ambient(cap: int) -> None:
+    """Put ``cap`` into this process's inheritable and ambient sets."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+    data = (ctypes.c_uint32 * 6)()  # {effective, permitted, inheritable} x 2
+    assert libc.capget(header, data) == 0
+    data[2] |= 1 << cap
+    assert libc.capset(header, data) == 0
+    assert libc.prctl(47, 2, cap, 0, 0) == 0  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE
+
+
+def test_inherited_inheritable_and_ambient_capabilities_are_cleared(container, tmp_path, built):
+    """A hook may be started with ambient capabilities; ldconfig still gets none."""
+    rootfs = helper_rootfs(tmp_path, built, "report")
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            _raise_ambient(13)  # CAP_NET_RAW
+            with open("/proc/self/status") as fh:
+                ambient = next(int(line.split()[1], 16) for line in fh if line.startswith("CapAmb:"))
+            if ambient == 1 << 13:
+                run(container, rootfs, ldconfig_host_path=str(built / "helper"))
+                code = 0
+            else:
+                code = 2
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    status = dict(line.split(":", 1) for line in report(rootfs)["status"])
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[caps].strip(), 16) == 0, caps

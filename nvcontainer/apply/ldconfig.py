@@ -6,7 +6,10 @@ those are attacker-controlled, so every step below removes one thing a hostile i
 
 * the program is the host's static ldconfig, copied into a sealed memfd while still in the host
   mount namespace: nothing from the image is ever executed, and nothing in the container can
-  reach or modify the host binary through the running process (CVE-2019-5736, CVE-2024-0135);
+  reach or modify the host binary through the running process (CVE-2019-5736, CVE-2024-0135).
+  The copy is made once per process and kept while the host file's identity is unchanged
+  (see :func:`prepare`): sealed, it cannot be changed by anyone, so a resident server's
+  children can all run the one copy the server checked;
 * it sees only the rootfs (pivot_root into a private bind mount of it), with nosuid/nodev, a
   fresh procfs of its own PID namespace (so ``/proc/1/root`` is the sandbox itself, not the
   host), and ``/sys`` and ``/dev`` covered by empty read-only tmpfs;
@@ -33,12 +36,16 @@ other's run. Only containers sharing that rootfs can hold the lock up, and the d
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import mmap
 import os
 import resource
 import signal
 import stat
 import struct
+
+import prctl
 
 from .. import log
 from ..errors import NvcError, escape
@@ -106,19 +113,29 @@ def run_ldconfig(
     for value in (uid, gid):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ID:
             raise NvcError("ldcache", f"invalid user or group id: {escape(value)}")
-    result = worker.run(
-        _sandbox,
-        mntns_fd,
-        rootfs,
-        argv,
-        ldconfig_host_path,
-        uid,
-        gid,
-        deadline=deadline,
-        name="ldconfig",
-        keep_fds=(mntns_fd,),
-        category="ldcache",
-    )
+    # The program is opened here, in the host mount namespace: after the worker's setns
+    # "/sbin/ldconfig" would name the image's file.
+    cap_last = _cap_last_cap()
+    exe, kept = _program(ldconfig_host_path)
+    ns.load()  # in this process, so a server's children and our worker inherit it
+    try:
+        result = worker.run(
+            _sandbox,
+            mntns_fd,
+            rootfs,
+            argv,
+            exe,
+            uid,
+            gid,
+            cap_last,
+            deadline=deadline,
+            name="ldconfig",
+            keep_fds=(mntns_fd, exe),
+            category="ldcache",
+        )
+    finally:
+        if not kept:
+            os.close(exe)
     for line in result["output"].splitlines():
         log.info(f"ldconfig: {line}")
     problem = failure_message(result, ldconfig_host_path)
@@ -194,17 +211,196 @@ def static_elf_problem(data: bytes) -> str | None:
     return None
 
 
+# --- the program (in the caller, host mount namespace) --------------------------------------
+
+# path -> (identity of the host file when copied, sealed memfd, (st_dev, st_ino, st_ctime_ns) of
+# the memfd once sealed). Per process; a forked child inherits both the entries and the fds.
+_programs: dict[str, tuple[tuple, int, tuple[int, int, int]]] = {}
+_MAX_PROGRAMS = 8
+_cap_last: int | None = None
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+_F_SEAL_EXEC = 0x20  # Linux >= 6.3: the exec bits cannot be changed either
+_EXE_MODE = 0o555    # any uid may run it (the sandbox may run as the rootfs's owner)
+
+
+def prepare(program: str = "/sbin/ldconfig") -> None:
+    """Copy and check the host's ldconfig now rather than on the first container.
+
+    For a resident process that forks per request (``nvcontainer serve``): the children
+    inherit the sealed copy, so each run costs one ``stat`` of the host file instead of
+    reading, checking and copying about 1 MiB. Calling it again costs as little and makes a
+    new copy only if the host file changed. Raises ``NvcError`` like a run would.
+    """
+    _program(program)
+    _cap_last_cap()
+    ns.load()
+
+
+def _identity(st: os.stat_result) -> tuple:
+    """What changes whenever the file's content can have: replacing it changes the inode,
+    writing it in place changes mtime (and ctime, which nobody can set back)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _program(program: str) -> tuple[int, bool]:
+    """The sealed memfd to run for ``program``, made now or kept from an earlier run, and
+    whether it is kept (else the caller closes it).
+
+    A kept copy is used only while ``program`` still stats the same and the fd still is that
+    memfd, fully sealed, its metadata untouched since: a caller may have reused the number, and
+    a sandboxed uid-0 ldconfig owns its memfd enough to chmod it (the exec bits only where
+    ``F_SEAL_EXEC`` is missing) or give it an ACL. The seals keep its content; any such change
+    moves its ctime.
+    """
+    kept = _programs.pop(program, None)
+    if kept is not None:
+        identity, fd, memfd_id = kept
+        state = _kept_state(fd, memfd_id)
+        if state == "intact":
+            try:
+                unchanged = _identity(os.stat(program)) == identity
+            except OSError:
+                unchanged = False
+            if unchanged:
+                _programs[program] = kept
+                return fd, True
+        if state != "gone":
+            os.close(fd)
+    fd, identity = _sealed_copy(program)
+    if identity is None:
+        return fd, False
+    if len(_programs) >= _MAX_PROGRAMS:
+        for _, old, old_id in _programs.values():
+            if _kept_state(old, old_id) != "gone":
+                os.close(old)
+        _programs.clear()
+    st = os.fstat(fd)
+    _programs[program] = (identity, fd, (st.st_dev, st.st_ino, st.st_ctime_ns))
+    return fd, True
+
+
+def _kept_state(fd: int, memfd_id: tuple[int, int, int]) -> str:
+    """``intact``: still the kept memfd, all seals on, mode and ctime as they were; ``spoiled``:
+    the kept memfd, changed since; ``gone``: the number names another file now, which is not
+    ours to close."""
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != memfd_id[:2]:
+            return "gone"
+        sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS == _SEALS
+    except OSError:
+        return "gone"
+    untouched = st.st_ctime_ns == memfd_id[2] and stat.S_IMODE(st.st_mode) == _EXE_MODE
+    return "intact" if sealed and untouched else "spoiled"
+
+
+def _sealed_copy(program: str) -> tuple[int, tuple | None]:
+    """A memfd holding ``program``, sealed so nobody can change it after the check, and the
+    host file's identity (``None`` if the file changed while it was copied: not kept).
+
+    The bytes go from file to memfd in the kernel (``sendfile``); the ELF check then reads the
+    sealed copy, which is exactly what will run.
+    """
+    try:
+        src = os.open(program, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise NvcError("ldcache", f"cannot open {escape(program)}: {exc.strerror}") from None
+    fd = -1
+    try:
+        before = os.fstat(src)
+        if not stat.S_ISREG(before.st_mode):
+            raise NvcError("ldcache", f"{escape(program)} is not a regular file")
+        if before.st_size > MAX_BINARY:
+            raise NvcError("ldcache", f"{escape(program)} is larger than {MAX_BINARY} bytes")
+        fd = _memfd("ldconfig")
+        try:
+            size = _copy(src, fd)
+            after = os.fstat(src)
+        except OSError as exc:
+            raise NvcError("ldcache", f"cannot copy {escape(program)}: {exc.strerror}") from None
+        if size > MAX_BINARY:
+            raise NvcError("ldcache", f"{escape(program)} is larger than {MAX_BINARY} bytes")
+        os.fchmod(fd, _EXE_MODE)
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | _F_SEAL_EXEC)
+        except OSError:  # EINVAL before 6.3
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        problem = _static_elf_fd_problem(fd, size)
+        if problem:
+            raise NvcError("ldcache", f"{escape(program)}: {problem}")
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    finally:
+        os.close(src)
+    unchanged = _identity(before) == _identity(after) and after.st_size == size
+    return fd, _identity(after) if unchanged else None
+
+
+def _copy(src: int, dst: int) -> int:
+    """Copy up to ``MAX_BINARY + 1`` bytes (one more says "too large"); returns the count."""
+    done = 0
+    try:
+        while done <= MAX_BINARY and (n := os.sendfile(dst, src, done, MAX_BINARY + 1 - done)):
+            done += n
+        return done
+    except OSError as exc:
+        if done or exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+    # A filesystem without splice support: through user space.
+    while done <= MAX_BINARY and (chunk := os.pread(src, min(1 << 20, MAX_BINARY + 1 - done), done)):
+        view = memoryview(chunk)
+        while view:
+            view = view[os.pwrite(dst, view, done + len(chunk) - len(view)):]
+        done += len(chunk)
+    return done
+
+
+def _static_elf_fd_problem(fd: int, size: int) -> str | None:
+    """:func:`static_elf_problem` on the memfd's content, mapped rather than read: only the
+    header pages are touched."""
+    if size < 64:
+        return "not an ELF file"
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as data:
+        return static_elf_problem(data)
+
+
+_MFD_EXEC = 0x10  # Linux >= 6.3; needed where vm.memfd_noexec=1 makes memfds non-executable
+
+
+def _memfd(name: str) -> int:
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    try:
+        return os.memfd_create(name, flags | _MFD_EXEC)
+    except OSError:  # EINVAL before 6.3, where every memfd is executable anyway
+        return os.memfd_create(name, flags)
+
+
+def _cap_last_cap() -> int:
+    """Highest capability this kernel knows; may exceed what python-prctl was built with.
+    Fixed while the kernel runs, so read once per process."""
+    global _cap_last
+    if _cap_last is None:
+        try:
+            with open("/proc/sys/kernel/cap_last_cap", "rb") as fh:
+                value = fh.read(16).strip()
+        except OSError as exc:
+            raise NvcError("ldcache", f"cannot read /proc/sys/kernel/cap_last_cap: {exc.strerror}") from None
+        if not value.isdigit() or not 0 < int(value) < 64:
+            raise NvcError("ldcache", f"unexpected /proc/sys/kernel/cap_last_cap: {escape(value)}")
+        _cap_last = int(value)
+    return _cap_last
+
+
 # --- worker side (forked; runs in the host mount namespace until setns) ----------------------
 
 
-def _sandbox(mntns_fd: int, rootfs: str, argv: list[str], program: str, uid: int, gid: int) -> dict:
-    # 1. Take the program while still in the host's mount namespace; afterwards "/sbin/ldconfig"
-    #    would name the image's file.
-    exe = _sealed_copy(program)
-    cap_last = _cap_last_cap()
-    # 2. Enter the container's mount namespace, then leave it again for a private copy, so the
-    #    pivot and mounts below never show in the container (or, through shared propagation,
-    #    on the host). New PID/net/IPC/UTS namespaces apply to the child forked next.
+def _sandbox(mntns_fd: int, rootfs: str, argv: list[str], exe: int, uid: int, gid: int, cap_last: int) -> dict:
+    # Enter the container's mount namespace, then leave it again for a private copy, so the
+    # pivot and mounts below never show in the container (or, through shared propagation, on
+    # the host). New PID/net/IPC/UTS namespaces apply to the child forked next.
     try:
         ns.setns_mount(mntns_fd)
         os.close(mntns_fd)
@@ -247,55 +443,6 @@ def _lock_rootfs(rootfs: str) -> None:
         raise NvcError("ldcache", f"cannot lock {escape(rootfs)} for ldconfig: {exc.strerror}") from None
 
 
-def _sealed_copy(program: str) -> int:
-    """A memfd holding ``program``, sealed so nobody can change it after the check."""
-    try:
-        src = os.open(program, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise NvcError("ldcache", f"cannot open {escape(program)}: {exc.strerror}") from None
-    try:
-        st = os.fstat(src)
-        if not stat.S_ISREG(st.st_mode):
-            raise NvcError("ldcache", f"{escape(program)} is not a regular file")
-        if st.st_size > MAX_BINARY:
-            raise NvcError("ldcache", f"{escape(program)} is larger than {MAX_BINARY} bytes")
-        data = bytearray()
-        while len(data) <= MAX_BINARY and (chunk := os.read(src, 1 << 20)):
-            data += chunk
-    finally:
-        os.close(src)
-    if len(data) > MAX_BINARY:
-        raise NvcError("ldcache", f"{escape(program)} is larger than {MAX_BINARY} bytes")
-    problem = static_elf_problem(bytes(data))
-    if problem:
-        raise NvcError("ldcache", f"{escape(program)}: {problem}")
-    fd = _memfd("ldconfig")
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-    fcntl.fcntl(
-        fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
-    )
-    return fd
-
-
-_MFD_EXEC = 0x10  # Linux >= 6.3; needed where vm.memfd_noexec=1 makes memfds non-executable
-
-
-def _memfd(name: str) -> int:
-    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-    try:
-        return os.memfd_create(name, flags | _MFD_EXEC)
-    except OSError:  # EINVAL before 6.3, where every memfd is executable anyway
-        return os.memfd_create(name, flags)
-
-
-def _cap_last_cap() -> int:
-    """Highest capability this kernel knows; may exceed what python-prctl was built with."""
-    with open("/proc/sys/kernel/cap_last_cap", "rb") as fh:
-        return int(fh.read(16))
-
-
 def _read_tail(fd: int, limit: int) -> bytes:
     """Read to EOF (a writer that is not drained would block), keeping the last ``limit`` bytes."""
     kept = bytearray()
@@ -317,8 +464,6 @@ def _sandbox_init(
 ):
     step = "start"
     try:
-        import prctl
-
         # Dies with the worker. getppid() cannot confirm the worker is alive (it is outside our
         # PID namespace, so it reads 0), but the worker's group is killed on any timeout.
         step = "set parent death signal"
@@ -391,8 +536,7 @@ def _sandbox_init(
 
         # Capabilities. The securebits and the bounding set need CAP_SETPCAP and the id changes
         # CAP_SETUID/CAP_SETGID, so they come before the capability sets are emptied; clearing
-        # permitted and inheritable empties the ambient set too. Effective goes before
-        # permitted (the other order fails with EPERM).
+        # permitted and inheritable empties the ambient set too (all three in one capset).
         step = "set securebits"
         prctl.set_securebits(_SECUREBITS)
         step = "clear bounding set"
@@ -405,9 +549,7 @@ def _sandbox_init(
         step = "set uid"
         os.setresuid(uid, uid, uid)
         step = "clear capabilities"
-        prctl.cap_inheritable.limit()
-        prctl.cap_effective.limit()
-        prctl.cap_permitted.limit()
+        ns.clear_capabilities()
         step = "set no_new_privs"
         prctl.set_no_new_privs(True)
 

@@ -1,5 +1,5 @@
 """Namespace system calls that Python 3.11's ``os`` module lacks (``os.setns`` and
-``os.unshare`` arrived in 3.12), plus ``pivot_root``.
+``os.unshare`` arrived in 3.12), plus ``pivot_root`` and the credential calls a sandbox needs.
 
 These change the calling process's view of the file system, so they are only ever called in a
 forked worker (see :mod:`.worker`), never in the hook's own process: ``setns(CLONE_NEWNS)`` also
@@ -34,6 +34,8 @@ __all__ = [
     "setns_mount",
     "unshare",
     "pivot_root",
+    "clear_capabilities",
+    "load",
 ]
 
 
@@ -44,6 +46,8 @@ def _lib() -> ctypes.CDLL:
         lib.setns.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.setns.restype = ctypes.c_int
         lib.syscall.restype = ctypes.c_long
+        lib.capset.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.capset.restype = ctypes.c_int
         _libc = lib
     return _libc
 
@@ -66,6 +70,37 @@ def pivot_root(new_root: str, put_old: str) -> None:
         raise OSError(errno.ENOSYS, f"pivot_root: unsupported architecture {os.uname().machine}")
     ret = _lib().syscall(ctypes.c_long(nr), os.fsencode(new_root), os.fsencode(put_old))
     _check(ret, "pivot_root")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+# Built once, here, rather than in the forked process that uses them: making ctypes objects
+# (and the array type) there costs more than the system call. Never written to.
+_CAPS_HEADER = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+_CAPS_NONE = (_CapData * 2)()             # v3 takes two 32-bit halves, all zero here
+
+
+def clear_capabilities() -> None:
+    """Empty this thread's effective, permitted and inheritable sets in one ``capset``; the
+    kernel then empties the ambient set too (it must stay within permitted and inheritable).
+
+    One system call, where python-prctl's per-set ``limit()`` makes a read and a write per set
+    plus the Python work of listing every capability; the bounding set is not touched (only
+    ``PR_CAPBSET_DROP``, one capability a call, can shrink it).
+    """
+    _check(_lib().capset(ctypes.byref(_CAPS_HEADER), ctypes.byref(_CAPS_NONE)), "capset")
+
+
+def load() -> None:
+    """Load libc and resolve the functions above now. For a process about to fork workers
+    that use them: each child then inherits the work instead of repeating it."""
+    _lib()
 
 
 def set_fs_identity(uid: int, gid: int) -> None:
