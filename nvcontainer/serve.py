@@ -83,6 +83,17 @@ def warm(cfg) -> str:
     return status
 
 
+def _prepare_ldconfig(cfg) -> None:
+    """The sealed copy of the host's ldconfig, made once here and inherited by every child (each
+    run re-checks it with one stat, and copies again only if the host file changed)."""
+    from .apply import ldconfig
+
+    try:
+        ldconfig.prepare(cfg.ldconfig.removeprefix("@"))
+    except NvcError as exc:
+        log.warning(f"ldconfig not prepared: {exc.detail}")
+
+
 # --- the listening socket ----------------------------------------------------------------------
 
 
@@ -162,6 +173,7 @@ def serve(path: str, cfg, *, ready=None) -> int:
         preload()
         status = warm(cfg)
         log.info(status)
+        _prepare_ldconfig(cfg)
         return _loop(sock, status, ready)
     finally:
         sock.close()

@@ -49,6 +49,7 @@ DRIVER = textwrap.dedent(r"""
         out["steps"].append({"rc": res.returncode, "stdout": res.stdout, "stderr": res.stderr,
                              "seconds": time.monotonic() - started})
     out["children"] = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
+    out["server_fds"] = [os.readlink(f"/proc/{server.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{server.pid}/fd")]
     out["socket_mode"] = oct(os.lstat(sock).st_mode)
     out["dir_mode"] = oct(os.lstat(os.path.dirname(sock)).st_mode)
     server.send_signal(signal.SIGTERM)
@@ -174,6 +175,8 @@ def test_socket_is_root_only_and_goes_away_with_the_server(fake_machine, tmp_pat
     assert stat.S_IMODE(int(out["socket_mode"], 8)) == 0o600 and stat.S_ISSOCK(int(out["socket_mode"], 8))
     assert stat.S_IMODE(int(out["dir_mode"], 8)) == 0o700
     assert out["server_rc"] == 0 and not out["socket_left"], out["server_stderr"]
+    # the host's ldconfig, copied and sealed once for every request to inherit
+    assert any(fd.startswith("/memfd:ldconfig") for fd in out["server_fds"]), out["server_fds"]
 
 
 # Raw protocol cases, against a server in the test's own namespace.

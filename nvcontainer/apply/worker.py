@@ -264,14 +264,12 @@ def close_fds_except(keep: Iterable[int]) -> None:
     _close_range(low, 0xFFFFFFFF)
 
 
-_libc = None
+# Loaded here, at import, so every forked worker inherits it instead of loading libc again.
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
+_libc.syscall.restype = ctypes.c_long
 
 
 def _close_range(first: int, last: int) -> None:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        _libc.syscall.restype = ctypes.c_long
     ret = _libc.syscall(ctypes.c_long(_NR_CLOSE_RANGE), ctypes.c_uint(first), ctypes.c_uint(last), ctypes.c_uint(0))
     if ret == 0:
         return
