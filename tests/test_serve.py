@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures import runtime as rt
+from tests.test_dry_run import bundle, pid, write_config  # noqa: F401 (fixtures)
 from tests.fixtures.fakegpu.runner import fake_proc_command
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,28 +59,6 @@ DRIVER = textwrap.dedent(r"""
     out["socket_left"] = os.path.exists(sock)
     print(json.dumps(out))
 """)
-
-
-@pytest.fixture
-def bundle(tmp_path):
-    rootfs = tmp_path / "bundle/rootfs"
-    (rootfs / "etc").mkdir(parents=True)
-    (rootfs / "etc/debian_version").write_text("12\n")
-    return tmp_path / "bundle"
-
-
-@pytest.fixture
-def pid():
-    proc = subprocess.Popen(["sleep", "120"])
-    yield proc.pid
-    proc.kill()
-    proc.wait()
-
-
-def write_config(bundle: Path, env: list[str]) -> None:
-    spec = {"ociVersion": "1.0.2", "root": {"path": "rootfs"},
-            "process": {"args": ["sh"], "env": ["PATH=/bin", *env], "capabilities": {"bounding": ["CAP_CHOWN"]}}}
-    (bundle / "config.json").write_text(json.dumps(spec))
 
 
 def state(pid: int, bundle: Path) -> str:
