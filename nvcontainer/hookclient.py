@@ -3,8 +3,8 @@
 A container start waits for the hook, and most of a cold hook run is the interpreter importing
 the code it is about to run (see docs/performance.md). A resident server has everything
 imported and the inventory warm; this client only passes it what the hook would have had:
-its argv, two variables of its environment, and its stdin, stdout, stderr and working
-directory as file descriptors (``SCM_RIGHTS``). The server forks, reads the OCI state from
+its argv, its umask, two variables of its environment, and its stdin, stdout, stderr and
+working directory as file descriptors (``SCM_RIGHTS``). The server forks, reads the OCI state from
 that very stdin and runs the same ``nvcontainer-hook`` code, so output, exit status, errors and
 ``--debug`` traces are the same as in-process; only the time differs.
 
@@ -32,6 +32,10 @@ REPLY_TIMEOUT = 600.0   # the server bounds every run by its deadline; this only
 PROG = "nvcontainer-hook"
 
 
+# The hook's options that take a value (as the next argument unless given with "=").
+VALUED = ("--root", "-r", "--ldcache", "-l", "--debug", "-d", "--user", "-u", "--config", "--socket")
+
+
 def socket_path(argv):
     """``--socket PATH`` among the global options (before the stage word), else the default;
     ``--socket ''`` turns the fast path off."""
@@ -39,32 +43,36 @@ def socket_path(argv):
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg == "--socket" and i + 1 < len(argv):
-            path = argv[i + 1]
-            i += 2
-            continue
-        if arg.startswith("--socket="):
-            path = arg[len("--socket="):]
-        elif not arg.startswith("-"):
-            break
+        if not arg.startswith("-"):
+            break   # the stage
+        name, eq, value = arg.partition("=")
+        if name in VALUED and not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+            i += 1
+        if name == "--socket":
+            path = value
         i += 1
     return path
 
 
-def encode_request(argv, env):
-    """``NVC1 <pid> <nargs> <nenv>\\n`` then the arguments and ``NAME=value`` pairs, each ending
-    in NUL. Nothing here can hold a NUL (argv and environ are C strings)."""
-    head = b"%s %d %d %d\n" % (MAGIC, os.getpid(), len(argv), len(env))
+def encode_request(argv, env, umask):
+    """``NVC1 <pid> <umask> <nargs> <nenv>\\n`` then the arguments and ``NAME=value`` pairs,
+    each ending in NUL. Nothing here can hold a NUL (argv and environ are C strings)."""
+    head = b"%s %d %d %d %d\n" % (MAGIC, os.getpid(), umask, len(argv), len(env))
     return head + b"".join(os.fsencode(s) + b"\0" for s in (*argv, *env))
 
 
 def decode_request(data):
-    """(client pid, argv, env) from :func:`encode_request`'s bytes; ValueError if malformed."""
+    """(client pid, umask, argv, env) from :func:`encode_request`'s bytes; ValueError if
+    malformed."""
     head, sep, rest = data.partition(b"\n")
     parts = head.split(b" ")
-    if not sep or len(parts) != 4 or parts[0] != MAGIC or not all(p.isdigit() and len(p) < 10 for p in parts[1:]):
+    if (not sep or len(parts) != 5 or parts[0] != MAGIC
+            or not all(p.isascii() and p.isdigit() and len(p) < 10 for p in parts[1:])):
         raise ValueError("bad request header")
-    pid, nargs, nenv = (int(p) for p in parts[1:])
+    pid, umask, nargs, nenv = (int(p) for p in parts[1:])
+    if umask > 0o777:
+        raise ValueError("bad umask")
     fields = rest.split(b"\0")
     if fields[-1] != b"" or len(fields) != nargs + nenv + 1:
         raise ValueError("bad request body")
@@ -75,7 +83,7 @@ def decode_request(data):
         if not eq or name not in ENV:
             raise ValueError("bad environment entry")
         env[name] = value
-    return pid, strings[:nargs], env
+    return pid, umask, strings[:nargs], env
 
 
 def forward(argv):
@@ -94,9 +102,11 @@ def forward(argv):
         except OSError:
             return None
         env = ["%s=%s" % (name, os.environ[name]) for name in ENV if name in os.environ]
+        umask = os.umask(0o022)
+        os.umask(umask)
         fds = b"".join(fd.to_bytes(4, sys.byteorder) for fd in (0, 1, 2, cwd))
         try:
-            sock.sendmsg([encode_request(argv, env)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
+            sock.sendmsg([encode_request(argv, env, umask)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
         except OSError:
             return None   # e.g. a closed stdio fd: the in-process run reports it its own way
         finally:

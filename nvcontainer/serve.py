@@ -20,7 +20,7 @@ What keeps it from being a new way in:
   is killed the moment its client goes away: runtimes SIGKILL only the hook on their timeout,
   and the child's workers die with it (``PR_SET_PDEATHSIG``);
 * this process stays single-threaded, takes nothing from the client's environment but the two
-  variables the hook reads, and bounds the request (64 KiB, four fds).
+  variables the hook reads (and its umask), and bounds the request (64 KiB, four fds).
 """
 
 from __future__ import annotations
@@ -323,7 +323,7 @@ def handle(conn: socket.socket) -> int:
     try:
         reason = _decline_reason(conn, data)
         if not reason:
-            _pid, argv, env = hookclient.decode_request(data)
+            _pid, umask, argv, env = hookclient.decode_request(data)
     except ValueError as exc:
         reason = f"bad request: {exc}"
     if reason:
@@ -338,12 +338,17 @@ def handle(conn: socket.socket) -> int:
         os.close(fd)
     os.fchdir(cwd)
     os.close(cwd)
+    os.umask(umask)
     os.environ.clear()
     os.environ.update(env)
     from . import hook
 
     hook.SERVED_BY = os.getppid()
-    status = hook.main(argv, serve=False)
+    try:
+        status = hook.main(argv, serve=False)
+    except BaseException as exc:   # a bug: one line, as everywhere, and the client still hears
+        os.write(2, f"{hook.PROG}: internal error: {type(exc).__name__}: {escape(exc)}\n".encode())
+        status = 1
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -370,7 +375,7 @@ def _decline_reason(conn: socket.socket, data: bytes) -> str | None:
     peer_pid, peer_uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     if peer_uid != 0:
         return f"client uid {peer_uid} is not root"
-    claimed, _, _ = hookclient.decode_request(data)
+    claimed = hookclient.decode_request(data)[0]
     if peer_pid <= 0 or claimed != peer_pid:
         return "client in another PID namespace"
     try:

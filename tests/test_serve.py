@@ -214,10 +214,10 @@ def _request(sock: Path, payload: bytes, fds=(0, 1, 2), uid: int | None = None) 
 def test_garbage_is_declined_and_the_server_goes_on(server, tmp_path):
     proc, sock = server
     assert _request(sock, b"hello").startswith(b"declined bad request")
-    assert _request(sock, b"NVC1 1 2 0\nonly-one\0").startswith(b"declined ")
-    assert _request(sock, b"NVC1 %d 0 0\n" % os.getpid(), fds=(0, 1)).startswith(b"declined bad request")
+    assert _request(sock, b"NVC1 1 18 2 0\nonly-one\0").startswith(b"declined ")
+    assert _request(sock, b"NVC1 %d 18 0 0\n" % os.getpid(), fds=(0, 1)).startswith(b"declined bad request")
     # still serving: a well-formed request from a process that lies about its PID
-    assert _request(sock, b"NVC1 1 1 0\nprestart\0") == b"declined client in another PID namespace"
+    assert _request(sock, b"NVC1 1 18 1 0\nprestart\0") == b"declined client in another PID namespace"
     assert proc.poll() is None
 
 
@@ -227,11 +227,11 @@ def test_a_non_root_client_is_declined(fake_machine):
     sock = base / "srv" / "hook.sock"
     proc = start_server(fake_machine, sock, base / "serve.log")
     try:
-        assert _request(sock, b"NVC1 1 1 0\nprestart\0", uid=65534) == b"<Permission denied>"   # 0700 dir, 0600 socket
+        assert _request(sock, b"NVC1 1 18 1 0\nprestart\0", uid=65534) == b"<Permission denied>"   # 0700 dir, 0600 socket
         os.chmod(sock.parent, 0o755)
-        assert _request(sock, b"NVC1 1 1 0\nprestart\0", uid=65534) == b"<Permission denied>"   # 0600 socket
+        assert _request(sock, b"NVC1 1 18 1 0\nprestart\0", uid=65534) == b"<Permission denied>"   # 0600 socket
         os.chmod(sock, 0o666)
-        reply = _request(sock, b"NVC1 1 1 0\nprestart\0", uid=65534)
+        reply = _request(sock, b"NVC1 1 18 1 0\nprestart\0", uid=65534)
         assert reply == b"declined client uid 65534 is not root"
         assert proc.poll() is None
     finally:
@@ -420,3 +420,20 @@ def test_a_hook_during_the_warm_up_waits_for_a_warm_answer(fake_machine_factory,
     assert float(took) > 1.0   # it waited for NVML's 1.5 s through the server's warm-up
     assert ready.startswith("nvcontainer serve: listening on")
     assert SERVED in log.read_text()
+
+
+def test_the_request_format_round_trips_and_rejects_what_is_not_it():
+    from nvcontainer import hookclient as hc
+
+    argv = ["--root", "/r w", "--debug", "/tmp/é.log", "prestart"]
+    data = hc.encode_request(argv, ["PATH=/bin:/usr/bin", "CUDA_MPS_PIPE_DIRECTORY=/tmp/mps"], 0o027)
+    assert hc.decode_request(data) == (os.getpid(), 0o027, argv,
+                                       {"PATH": "/bin:/usr/bin", "CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps"})
+    for bad in (b"NVC1 1 18 1 0\nprestart", b"NVC1 1 1000 1 0\nprestart\0", b"NVC1 1 18 1 0 9\nprestart\0",
+                b"NVC2 1 18 1 0\nprestart\0", b"NVC1 \xd9\xa1 18 1 0\nprestart\0", b"NVC1 1 18 0 1\nLD_PRELOAD=/x\0",
+                b"NVC1 1 18 2 0\nprestart\0", b"NVC1 1 18 1 0 prestart\0"):
+        with pytest.raises(ValueError):
+            hc.decode_request(bad)
+    assert hc.socket_path(["--root", "/r", "--socket", "/s", "prestart"]) == "/s"
+    assert hc.socket_path(["--socket=", "prestart"]) == ""
+    assert hc.socket_path(["prestart", "--socket", "/late"]) == hc.SOCKET   # options come before the stage
