@@ -136,7 +136,7 @@ def _run(sub: str, opts: dict) -> None:
 
     pinned = pin(state.pid)
     try:
-        owner = _owner(state.pid)
+        owner = _owner(pinned)
         if sub == "create-symlinks":
             _place(pinned, rootfs, [{"op": "symlink", "target": link, "link": target} for target, link in links],
                    owner, end)
@@ -165,13 +165,18 @@ def _container():
     return state, rootfs
 
 
-def _owner(pid: int) -> tuple[int, int]:
+def _owner(pinned) -> tuple[int, int]:
     """Who the container's files belong to: the owner of its process (a user-namespaced
-    container's mapped root), as the prestart path decides."""
+    container's mapped root), as the prestart path decides. Read through /proc/PID, so it
+    counts only if the pinned process is still alive afterwards: a number reused by a host
+    process in between would hand out that process's owner."""
+    pid = pinned.pid
     try:
         st = os.stat(f"/proc/{pid}")
     except OSError as exc:
         raise NvcError("container", f"cannot stat /proc/{pid}: {exc.strerror.lower()}") from None
+    if not pinned.alive():
+        raise NvcError("container", f"container process {pid} exited during configuration")
     return st.st_uid, st.st_gid
 
 

@@ -14,6 +14,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -568,3 +569,30 @@ def test_new_pages_render_without_warnings(page):
     res = subprocess.run(["man", "--warnings", "-l", str(ROOT / "man" / page)], stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True, env=env, timeout=60)
     assert res.returncode == 0 and res.stderr == ""
+
+
+def test_cdi_hook_owner_counts_only_while_the_pinned_process_lives():
+    """The owner is read through /proc/PID; a container gone by then could have handed its number
+    to a host process, whose owner must not be taken for the container's."""
+    from nvcontainer.apply.pin import pin
+
+    proc = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sleep", "60"])   # not our mount ns
+    for _ in range(500):
+        if os.readlink(f"/proc/{proc.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"):
+            break
+        time.sleep(0.01)
+    pinned = pin(proc.pid)
+    try:
+        assert cdi_hooks._owner(pinned) == (os.stat(f"/proc/{proc.pid}").st_uid, os.stat(f"/proc/{proc.pid}").st_gid)
+        os.kill(proc.pid, 9)   # a zombie: /proc/PID still answers, as a reused number would
+        for _ in range(500):
+            if not pinned.alive():
+                break
+            time.sleep(0.01)
+        assert os.path.exists(f"/proc/{proc.pid}")
+        with pytest.raises(NvcError, match="exited during configuration"):
+            cdi_hooks._owner(pinned)
+    finally:
+        pinned.close()
+        proc.kill()
+        proc.wait()
