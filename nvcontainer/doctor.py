@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field
 
 from . import log
@@ -61,6 +62,8 @@ class Facts:
     cdi_verdicts: tuple = ()                              # cdi.check.Verdict
     cdi_problems: tuple[str, ...] = ()
     registrations: tuple[tuple[str, str, str], ...] = ()  # (engine, what, where)
+    serve_socket: str = "/run/nvcontainer/hook.sock"
+    serve_state: str = "absent"                           # listening, absent, stale (nobody answers)
 
 
 # --- deciding ----------------------------------------------------------------------------------
@@ -69,6 +72,7 @@ class Facts:
 def evaluate(f: Facts) -> list[Check]:
     checks = [_driver(f), _cache(f), _versions(f), _nvml(f), _nodes(f), _cgroups(f), _persistence(f), _cdi(f)]
     checks.append(_registrations(f))
+    checks.append(_serve(f))
     return checks
 
 
@@ -190,6 +194,42 @@ def _registrations(f: Facts) -> Check:
     return Check("hooks", OK, found)
 
 
+def _serve(f: Facts) -> Check:
+    where = escape(f.serve_socket)
+    if f.serve_state == "listening":
+        return Check("hook server", OK, f"nvcontainer serve listens on {where}: hooks run warm")
+    clients = [what for _, what, _ in f.registrations if "client of nvcontainer serve" in what]
+    if f.serve_state == "stale":
+        return Check("hook server", WARN, f"{where} is there but nobody answers: a server stopped hard; "
+                                          "hooks run in their own process",
+                     "systemctl restart nvcontainer-serve (it replaces the stale socket)")
+    if clients:
+        return Check("hook server", WARN, f"hooks are registered to hand their runs to nvcontainer serve, and none "
+                                          f"listens on {where}: each start runs the hook in its own process",
+                     "systemctl enable --now nvcontainer-serve")
+    return Check("hook server", SKIP, f"none on {where}: hooks run in their own process (slower starts)",
+                 "for faster starts: nvcontainer setup ENGINE --serve; see nvcontainer-serve(1)")
+
+
+def serve_state(path: str) -> str:
+    """Whether a server answers at ``path``: connecting is enough (it declines the empty request)."""
+    import socket
+
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return "absent"
+    except OSError:
+        return "absent"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        probe.connect(path)
+        return "listening"
+    except OSError:
+        return "stale"
+    finally:
+        probe.close()
+
+
 # --- output ------------------------------------------------------------------------------------
 
 
@@ -210,11 +250,11 @@ def render_json(checks: list[Check]) -> str:
 # --- reading the host --------------------------------------------------------------------------
 
 
-def examine(config, spec_dirs, *, proc: str = "/proc", etc: str = "/") -> list[Check]:
-    return evaluate(gather(config, spec_dirs, proc=proc, etc=etc))
+def examine(config, spec_dirs, *, proc: str = "/proc", etc: str = "/", serve_socket: str | None = None) -> list[Check]:
+    return evaluate(gather(config, spec_dirs, proc=proc, etc=etc, serve_socket=serve_socket))
 
 
-def gather(config, spec_dirs, *, proc: str = "/proc", etc: str = "/") -> Facts:
+def gather(config, spec_dirs, *, proc: str = "/proc", etc: str = "/", serve_socket: str | None = None) -> Facts:
     """Everything :func:`evaluate` needs. ``etc`` prefixes the engines' configuration files
     (tests point it at a made-up tree); ``proc`` is the procfs to read."""
     from .cdi import commands
@@ -232,6 +272,10 @@ def gather(config, spec_dirs, *, proc: str = "/proc", etc: str = "/") -> Facts:
     verdicts, problems = commands.check_specs(spec_dirs, ())
     facts.update(cdi_dirs=tuple(spec_dirs), cdi_verdicts=tuple(verdicts), cdi_problems=tuple(problems))
     facts["registrations"] = tuple(registrations(etc))
+    from .hookclient import SOCKET
+
+    facts["serve_socket"] = serve_socket or SOCKET
+    facts["serve_state"] = serve_state(facts["serve_socket"])
     return Facts(**facts)
 
 
@@ -301,8 +345,6 @@ def _cgroup_facts(proc: str) -> dict:
 
 
 def _persistenced(root: str) -> bool:
-    import stat
-
     from .fs.inroot import resolve_in_root
     from .inventory.catalog import PERSISTENCED_SOCKET
 

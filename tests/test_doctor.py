@@ -19,6 +19,7 @@ CLI = [sys.executable, "-m", "nvcontainer"]
 ROOT = Path(__file__).resolve().parent.parent
 
 HEALTHY = Facts(
+    serve_state="listening",
     kernel_version="550.54.14",
     cache_libs={"libnvidia-ml.so.1": ["/usr/lib/libnvidia-ml.so.550.54.14"],
                 "libcuda.so.1": ["/usr/lib/libcuda.so.550.54.14"]},
@@ -39,7 +40,7 @@ def with_(**changes) -> Facts:
 
 def test_healthy_node_is_all_ok():
     got = verdicts(HEALTHY)
-    assert [v for v, _, _ in got.values()] == [OK] * 9, got
+    assert [v for v, _, _ in got.values()] == [OK] * 10, got
     assert got["hooks"][1] == "no hook registered: containers get GPUs through CDI only"
 
 
@@ -151,7 +152,7 @@ def test_doctor_on_a_healthy_fake_machine(fake_machine, tmp_path):
     assert res.returncode == 0, res.stderr
     report = {c["name"]: c for c in json.loads(res.stdout)}
     assert list(report) == ["driver loaded", "ld cache", "versions match", "NVML", "device nodes", "cgroups",
-                            "persistence", "CDI specs", "hooks"]
+                            "persistence", "CDI specs", "hooks", "hook server"]
     for name in ("driver loaded", "ld cache", "versions match", "NVML", "device nodes", "persistence"):
         assert report[name]["verdict"] == OK, report[name]
     assert report["NVML"]["detail"] == "driver 550.54.14, 2 GPU(s)"
@@ -190,3 +191,29 @@ def test_doctor_options_are_documented():
         assert option in out and option.replace("-", "\\-") in page
     for check in doctor.evaluate(HEALTHY):
         assert f".B {check.name}" in page, f"check {check.name!r} is not described in man/nvcontainer-doctor.1"
+
+
+def test_hook_server_states():
+    assert verdicts(with_(serve_state="listening"))["hook server"][0] == OK
+    absent = verdicts(with_(serve_state="absent"))["hook server"]
+    assert absent[0] == SKIP and "setup ENGINE --serve" in absent[2]
+    client = ("podman/CRI-O", "nvcontainer hook /opt/nvc/bin/python (client of nvcontainer serve)", "/etc/x.json")
+    waiting = verdicts(with_(serve_state="absent", registrations=(client,)))["hook server"]
+    assert waiting[0] == WARN and "none listens" in waiting[1] and "enable --now nvcontainer-serve" in waiting[2]
+    assert verdicts(with_(serve_state="stale"))["hook server"][0] == WARN
+
+
+def test_hook_server_is_probed(tmp_path):
+    import socket
+
+    path = tmp_path / "hook.sock"
+    assert doctor.serve_state(str(path)) == "absent"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(str(path))
+    server.listen(1)
+    assert doctor.serve_state(str(path)) == "listening"
+    server.close()
+    assert doctor.serve_state(str(path)) == "stale"
+    path.unlink()
+    path.write_text("")
+    assert doctor.serve_state(str(path)) == "absent"
