@@ -49,6 +49,7 @@ import stat
 from dataclasses import dataclass, replace
 
 from .errors import NvcError, escape
+from .fs.bounded import read_at_most
 from .request import CAPABILITIES
 
 DEFAULT_PATH = "/etc/nvcontainer/config.toml"
@@ -237,13 +238,10 @@ def _read(path: str) -> bytes | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NvcError("config", f"{escape(path)}: not a regular file")
-        data = b""
-        while len(data) <= CONFIG_CAP:
-            chunk = os.read(fd, CONFIG_CAP + 1 - len(data))
-            if not chunk:
-                return data
-            data += chunk
-        raise NvcError("config", f"{escape(path)}: larger than {CONFIG_CAP} bytes")
+        data, more = read_at_most(fd, CONFIG_CAP)
+        if more:
+            raise NvcError("config", f"{escape(path)}: larger than {CONFIG_CAP} bytes")
+        return data
     except OSError as exc:
         raise NvcError("config", f"cannot read {escape(path)}: {exc.strerror}") from None
     finally:

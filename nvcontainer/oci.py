@@ -16,6 +16,7 @@ import stat
 from dataclasses import dataclass, field
 
 from .errors import NvcError, escape
+from .fs.bounded import read_at_most
 
 STATE_CAP = 1 << 20          # crun puts every annotation in the state; 1 MiB is plenty
 SPEC_CAP = 16 << 20
@@ -152,20 +153,13 @@ def read_state(fd: int, cap: int = STATE_CAP) -> State:
     crun writes the whole state before it waits for the hook, so stopping early could leave it
     blocked on a full pipe; reading stops only at EOF or when the cap is passed.
     """
-    chunks = []
-    total = 0
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError as exc:
-            raise NvcError("input", f"state: cannot read standard input: {exc.strerror}") from None
-        if not chunk:
-            break
-        total += len(chunk)
-        if total > cap:
-            raise NvcError("input", f"state: larger than {cap} bytes")
-        chunks.append(chunk)
-    return parse_state(b"".join(chunks))
+    try:
+        data, more = read_at_most(fd, cap)
+    except OSError as exc:
+        raise NvcError("input", f"state: cannot read standard input: {exc.strerror}") from None
+    if more:
+        raise NvcError("input", f"state: larger than {cap} bytes")
+    return parse_state(data)
 
 
 def _privileged(process: dict) -> bool:
@@ -243,18 +237,11 @@ def read_spec(bundle: str, cap: int = SPEC_CAP) -> Spec:
             raise NvcError("input", f"{escape(path)}: not a regular file")
         if st.st_size > cap:
             raise NvcError("input", f"config.json: larger than {cap} bytes")
-        chunks = []
-        total = 0
-        while True:
-            chunk = os.read(fd, min(1 << 20, cap + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > cap:
-                raise NvcError("input", f"config.json: larger than {cap} bytes")
+        data, more = read_at_most(fd, cap)
+        if more:
+            raise NvcError("input", f"config.json: larger than {cap} bytes")
     except OSError as exc:
         raise NvcError("input", f"cannot read {escape(path)}: {exc.strerror}") from None
     finally:
         os.close(fd)
-    return parse_spec(b"".join(chunks), bundle)
+    return parse_spec(data, bundle)

@@ -19,6 +19,7 @@ from contextlib import closing
 from dataclasses import dataclass
 
 from ..errors import NvcError, escape
+from ..fs.bounded import read_at_most
 
 MAX_CGROUP_FILE = 64 * 1024        # one line per hierarchy; a few hundred bytes in practice
 MAX_MOUNTINFO = 64 * 1024 * 1024   # hosts with many containers have tens of thousands of mounts
@@ -158,22 +159,16 @@ def _open_proc(path: str) -> int:
 def _read_small(path: str, limit: int) -> str:
     fd = _open_proc(path)
     try:
-        chunks, size = [], 0
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > limit:
-                raise NvcError("cgroup", f"{escape(path)} is larger than {limit} bytes")
-            chunks.append(chunk)
+        data, more = read_at_most(fd, limit)
     except OSError as exc:
         if exc.errno == errno.ESRCH:
             raise NvcError("cgroup", EXITED) from None
         raise NvcError("cgroup", f"cannot read {escape(path)}: {exc.strerror.lower()}") from None
     finally:
         os.close(fd)
-    return os.fsdecode(b"".join(chunks))
+    if more:
+        raise NvcError("cgroup", f"{escape(path)} is larger than {limit} bytes")
+    return os.fsdecode(data)
 
 
 def _mountinfo_lines(path: str) -> Iterator[str]:

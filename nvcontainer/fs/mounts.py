@@ -20,6 +20,7 @@ import select
 import stat
 
 from . import syscalls
+from .bounded import read_at_most
 
 _MAX_MOUNTINFO = 16 << 20  # thousands of mounts fit; a runaway table must not eat memory
 _MAX_FDINFO = 64 << 10
@@ -202,9 +203,12 @@ def parse_mountinfo(text: str) -> dict[int, MountEntry]:
 
 
 def _read_bounded(path: str, limit: int) -> str:
-    with open(path, "rb") as fh:
-        data = fh.read(limit + 1)
-    if len(data) > limit:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data, more = read_at_most(fd, limit)
+    finally:
+        os.close(fd)
+    if more:
         raise OSError(errno.EFBIG, "unexpectedly large", path)
     return data.decode("utf-8", "surrogateescape")
 

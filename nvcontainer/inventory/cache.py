@@ -45,6 +45,7 @@ from dataclasses import fields, replace
 
 from .. import __version__, log
 from ..errors import NvcError, escape
+from ..fs.bounded import read_at_most
 from . import procfs
 from .catalog import DEFAULT_PATH, FABRICMANAGER_SOCKET, MPS_PIPE_DIRECTORY, PERSISTENCED_SOCKET
 from .model import DeviceNode, DriverFile, Gpu, Inventory, MigControl, MigDevice
@@ -261,15 +262,11 @@ def read_entry(dfd: int, name: str) -> dict | None:
                 and st.st_nlink == 1 and st.st_size <= MAX_FILE):
             log.warning(f"inventory cache entry {escape(name)} ignored: not a private regular file of ours")
             return None
-        chunks, size = [], 0
-        while chunk := os.read(fd, MAX_FILE + 1 - size):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > MAX_FILE:
-                return None
+        data, more = read_at_most(fd, MAX_FILE)
+        if more:
+            return None
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     try:
         entry = json.loads(data)
     except (ValueError, RecursionError):

@@ -12,6 +12,8 @@ import os
 import re
 import stat
 
+from ..fs.bounded import read_at_most
+
 MAX_FILE = 1 << 20       # procfs text files are a few KiB; anything bigger is not the driver's
 MAX_ENTRIES = 4096       # bound on directory listings (gpus/*)
 
@@ -27,14 +29,7 @@ def read_text(path: str, limit: int = MAX_FILE) -> str | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        chunks, size = [], 0
-        while size < limit:
-            chunk = os.read(fd, min(65536, limit - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks).decode("utf-8", "replace")
+        return read_at_most(fd, limit)[0].decode("utf-8", "replace")
     finally:
         os.close(fd)
 
