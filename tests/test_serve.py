@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.fixtures import runtime as rt
 from tests.test_dry_run import bundle, pid, write_config  # noqa: F401 (fixtures)
@@ -437,3 +439,17 @@ def test_the_request_format_round_trips_and_rejects_what_is_not_it():
     assert hc.socket_path(["--root", "/r", "--socket", "/s", "prestart"]) == "/s"
     assert hc.socket_path(["--socket=", "prestart"]) == ""
     assert hc.socket_path(["prestart", "--socket", "/late"]) == hc.SOCKET   # options come before the stage
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=512) | st.builds(lambda h, b: h + b, st.sampled_from([b"NVC1 ", b"NVC1 1 18 ", b"NVC1 1 18 1 0\n"]),
+                                           st.binary(max_size=256)))
+def test_any_request_bytes_decode_or_raise_value_error(data):
+    """The server decodes whatever a client sent: anything but a ValueError would be a crash."""
+    from nvcontainer import hookclient as hc
+
+    try:
+        pid, umask, argv, env = hc.decode_request(data)
+    except ValueError:
+        return
+    assert 0 <= umask <= 0o777 and set(env) <= set(hc.ENV) and all(isinstance(a, str) for a in argv)
