@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 
 import click
 
@@ -219,7 +220,9 @@ def cdi_generate(obj: _Context, output, fmt, strategies, vendor, cls, no_all_dev
         strategies=tuple(dict.fromkeys(strategies)) or generate.DEFAULT_STRATEGIES, all_device=not no_all_device,
         ldconfig=obj.config.ldconfig.removeprefix("@"),
     )
-    text = commands.generate_spec(obj.inventory(), opts, store.format_for(output, fmt), output)
+    inv = obj.inventory()
+    opts = replace(opts, allow=obj.allow_list(inv))
+    text = commands.generate_spec(inv, opts, store.format_for(output, fmt), output)
     if text is not None:
         sys.stdout.write(text)
 
@@ -364,8 +367,10 @@ def setup(obj: _Context, engine, dry_run, prefix, with_cdi, hook_path, served) -
     if with_cdi:
         from .cdi import generate
 
-        opts = generate.Options(hook_path=hook, ldconfig=obj.config.ldconfig.removeprefix("@"))
-        spec = commands.generate_spec(obj.inventory(), opts, "yaml", None)
+        inv = obj.inventory()
+        opts = generate.Options(hook_path=hook, ldconfig=obj.config.ldconfig.removeprefix("@"),
+                                allow=obj.allow_list(inv))
+        spec = commands.generate_spec(inv, opts, "yaml", None)
     steps = engines.steps(engine, hook, os.path.dirname(hook), spec, serve)
     sys.stdout.write(engines.perform(steps, prefix=prefix, dry_run=dry_run,
                                      stamp=time.strftime("%Y%m%dT%H%M%S")))

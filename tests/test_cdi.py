@@ -596,3 +596,25 @@ def test_cdi_hook_owner_counts_only_while_the_pinned_process_lives():
         pinned.close()
         proc.kill()
         proc.wait()
+
+
+def test_a_spec_offers_only_what_allowed_devices_permits(mig, tmp_path):
+    """An engine resolving nvidia.com/gpu=0 must not get a GPU the node holds back."""
+    desc = mig.description()
+    config = tmp_path / "config.toml"
+    config.write_text(f'allowed-devices = ["1", "{desc["gpus"][0]["migs"][1]["uuid"]}"]\n')
+    s = spec_of(mig, "--device-name-strategy", "index")   # the whole node, for comparison
+    assert [d["name"] for d in s["devices"]] == ["0", "0:0", "0:1", "1", "all"]
+    res = run_in_fake_proc(mig, [*CLI, "--root", str(mig.root), "--config", str(config), "cdi", "generate",
+                                 "--hook-path", HOOK_PATH, "--device-name-strategy", "index"],
+                           capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    by_name = {d["name"]: d["containerEdits"] for d in yamltext.load(res.stdout, "stdout")["devices"]}
+    assert list(by_name) == ["0:1", "1", "all"]          # GPU 0 itself and its MIG 0:0 are held back
+    assert nodes(by_name["all"]) == list(dict.fromkeys(nodes(by_name["0:1"]) + nodes(by_name["1"])))
+    config.write_text('allowed-devices = ["GPU-nothing-here"]\n')
+    res = run_in_fake_proc(mig, [*CLI, "--root", str(mig.root), "--config", str(config), "cdi", "generate",
+                                 "--hook-path", HOOK_PATH], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert res.stderr.endswith("allowed-devices permits no device on this node: a CDI spec needs at least one\n")
+    assert res.stderr.count("\n") == 1

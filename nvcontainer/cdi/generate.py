@@ -59,6 +59,7 @@ class Options:
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     all_device: bool = True
     ldconfig: str = "/sbin/ldconfig"
+    allow: object = None   # selection.AllowList: the node's allowed-devices (None: every device)
 
 
 def generate(inv: Inventory, opts: Options) -> Spec:
@@ -78,7 +79,10 @@ def generate(inv: Inventory, opts: Options) -> Spec:
 
     devices: list[Device] = []
     every: dict[str, DeviceNode] = {}
-    for gpu, mig in _units(inv):
+    units = list(_units(inv, opts.allow))
+    if not units:
+        raise NvcError("cdi", "allowed-devices permits no device on this node: a CDI spec needs at least one")
+    for gpu, mig in units:
         token = f"{gpu.index}:{mig.index}" if mig else str(gpu.index)
         plan = build_plan(Request(gpu=True, devices=(token,)), inv, facts, HostProc(), rootfs="/")
         nodes = tuple(_node(d) for d in plan.devices if d.path not in shared)
@@ -116,11 +120,15 @@ def device_names(gpu: Gpu, mig: MigDevice | None, strategies) -> list[str]:
     return out
 
 
-def _units(inv: Inventory):
+def _units(inv: Inventory, allow=None):
+    """Every GPU and MIG device, or those the node's allow-list permits: a spec offers what the
+    hook would hand out, so an engine resolving a CDI name cannot get around allowed-devices."""
     for gpu in inv.gpus:
-        yield gpu, None
+        if allow is None or allow.permits(gpu):
+            yield gpu, None
         for mig in gpu.migs:
-            yield gpu, mig
+            if allow is None or allow.permits(gpu, mig):
+                yield gpu, mig
 
 
 def _main_dir(libs: tuple[DriverFile, ...], default: str) -> str:
