@@ -17,8 +17,8 @@ What keeps it from being a new way in:
 * the client says which PID it has; it must be the one the kernel reports, or the PID
   namespaces differ in a way the namespace check could miss;
 * each request runs in a fresh child (a crash or a hang there is that request's alone), which
-  is killed the moment its client goes away: runtimes SIGKILL only the hook on their timeout,
-  and the child's workers die with it (``PR_SET_PDEATHSIG``);
+  is killed within ``CLIENT_GONE_GRACE`` of its client going away: runtimes SIGKILL only the
+  hook on their timeout, and the child's workers die with it (``PR_SET_PDEATHSIG``);
 * this process stays single-threaded, takes nothing from the client's environment but the two
   variables the hook reads (and its umask), and bounds the request (64 KiB, four fds).
 """
@@ -47,7 +47,10 @@ _NAMESPACES = ("mnt", "pid", "cgroup", "user")
 
 
 def preload() -> None:
-    """Import everything a GPU request touches, so that no child pays for an import."""
+    """Import everything a GPU request touches, so that no child pays for an import (tomllib
+    too: a node with a config.toml would otherwise import it in every request)."""
+    import tomllib  # noqa: F401
+
     from . import config, configure, hook, oci, request, require  # noqa: F401
     from .apply import execute, ldconfig, mounter, pin, worker  # noqa: F401
     from .cgroups import bpf, locate, rules, v1, v2  # noqa: F401
