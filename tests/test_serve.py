@@ -453,3 +453,49 @@ def test_any_request_bytes_decode_or_raise_value_error(data):
     except ValueError:
         return
     assert 0 <= umask <= 0o777 and set(env) <= set(hc.ENV) and all(isinstance(a, str) for a in argv)
+
+
+def _tree(path: Path) -> dict:
+    return {str(p.relative_to(path)): (p.is_symlink(), p.lstat().st_ino, p.lstat().st_size)
+            for p in sorted(path.rglob("*"))}
+
+
+@pytest.mark.parametrize("link", ["absolute", "dotdot"])
+def test_a_hostile_image_gets_nothing_out_of_the_server(fake_machine, tmp_path, link):
+    """The library directory and /etc/ld.so.conf.d of the image are links to a host directory:
+    the served run resolves them inside the rootfs, as the in-process one does, and the host
+    directory stays as it was."""
+    sentinel = tmp_path / "host-sentinel"
+    (sentinel / "lib").mkdir(parents=True)
+    (sentinel / "lib" / "victim.so").write_text("host file\n")
+    before = _tree(sentinel)
+    sock = str(tmp_path / "srv" / "hook.sock")
+    log = tmp_path / "hook.log"
+    script = ('echo "OPEN0:$(cat /dev/nvidia0 2>&1 | head -1)"\n'
+              'echo "LIBS:$(ldconfig -p | grep -c libcuda.so.1)"\necho "DONE:ok"\n')
+
+    def hostile(spec):
+        entry = spec["hooks"]["prestart"][1]
+        entry["args"] = client(sock, "--root", str(fake_machine.root), "--debug", str(log), "prestart")
+        entry["path"] = sys.executable
+
+    bundle = rt.make_bundle(tmp_path, fake_machine, ["NVIDIA_VISIBLE_DEVICES=0"], script, extra_spec=hostile)
+    rootfs = bundle / "rootfs"
+    libdir = rootfs / "usr/lib/x86_64-linux-gnu"
+    shutil.rmtree(libdir)
+    target = str(sentinel / "lib") if link == "absolute" else "../../.." + "/.." * len(rootfs.parts) + str(sentinel / "lib")
+    os.symlink(target, libdir)
+    state_dir = tmp_path / "state-runc"
+    out = in_world(fake_machine, tmp_path, [
+        {"argv": ["runc", "--root", str(state_dir), "run", "--bundle", str(bundle), bundle.name]},
+        {"argv": ["runc", "--root", str(state_dir), "delete", "-f", bundle.name]},
+    ], sock)
+    res = out["steps"][0]
+    assert _tree(sentinel) == before, "the host directory changed"
+    assert SERVED in log.read_text()
+    if res["rc"] == 0:
+        facts = rt.parse_facts(res["stdout"])
+        assert facts["OPEN0"] == ["cat: can't open '/dev/nvidia0': No such device or address"]
+        assert facts["DONE"] == ["ok"]
+    else:   # refused: one line from our hook in runc's error
+        assert "nvcontainer-hook: " in res["stderr"], res["stderr"]
