@@ -45,6 +45,7 @@ from tests.fixtures import runtime as rt
 from tests.fixtures.fakegpu.runner import fake_proc_command
 from tests.security.conftest import (
     DEFAULT_ARGS,
+    RECORDING_WRAPPER,
     DEFAULT_ENV,
     ENXIO,
     EPERM,
@@ -671,124 +672,6 @@ def race_image(rootfs: Path) -> None:
 
 # --- runtime runs ------------------------------------------------------------------------------
 
-# The prestart hook the runtime runs in our hook's place: records the container's mount table,
-# its device rules (v1) or programs (v2) and the runtime's own mount table, runs the wrapped
-# hook (none for a control run) ``repeat`` times with the state on stdin, optionally killing
-# the hook or the container once a marker line shows up in the hook's debug log (``fault``),
-# records again, and exits with the last status.
-_WRAPPER = r"""
-import ctypes, json, os, signal, subprocess, sys, threading, time
-out, host_pid, opts, argv = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4:]
-# A subreaper: the workers of a hook killed under us become our children, not the runtime's.
-# crun 1.8 waits for a hook with sigtimedwait() and keeps only a SIGCHLD whose si_pid is the
-# hook's; a reparented worker dying as we exit can take the one pending SIGCHLD slot, and crun
-# would then wait out the hook's whole timeout.
-ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-raw = sys.stdin.buffer.read()
-pid = json.loads(raw)["pid"]
-def read(path):
-    try:
-        with open(path) as fh:
-            return fh.read()
-    except OSError:
-        return ""
-def cgroup():
-    v2 = None
-    for line in read(f"/proc/{pid}/cgroup").splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if "devices" in parts[1].split(",") and os.path.isdir("/sys/fs/cgroup/devices"):
-            return 1, "/sys/fs/cgroup/devices" + parts[2]
-        if parts[0] == "0":
-            v2 = "/sys/fs/cgroup" + parts[2]
-    return 2, v2
-version, cg = cgroup()
-def devices():
-    if version == 1:
-        return read(cg + "/devices.list").splitlines()
-    from nvcontainer.cgroups import bpf
-    fd = os.open(cg, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        return bpf.prog_query(fd)[1]
-    finally:
-        os.close(fd)
-rec = {"before": read(f"/proc/{pid}/mountinfo"), "runtime_before": read("/proc/self/mountinfo"),
-       "devices_before": devices(), "cgroup_version": version, "runs": []}
-sampler = None
-if opts.get("sample") and version == 2:
-    code = ("import json, os, signal, sys\nfrom nvcontainer.cgroups import bpf\n"
-            "stop = []\nsignal.signal(signal.SIGTERM, lambda *a: stop.append(1))\n"
-            "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\nlow, high, n = 99, 0, 0\n"
-            "print('ready', flush=True)\n"
-            "while not stop:\n    c = len(bpf.prog_query(fd)[1]); low = min(low, c); high = max(high, c); n += 1\n"
-            "print(json.dumps([low, high, n]), flush=True)\n")
-    sampler = subprocess.Popen([sys.executable, "-I", "-c", code, cg], stdout=subprocess.PIPE, text=True)
-    sampler.stdout.readline()
-def fault(hook):
-    # wait for the marker line in the hook's debug log (or the hook's end), then strike
-    f = opts["fault"]
-    end = time.monotonic() + 20
-    while f.get("marker") and hook.poll() is None and time.monotonic() < end:
-        try:
-            with open(f["log"]) as fh:
-                if f["marker"] in fh.read():
-                    break
-        except OSError:
-            pass
-        time.sleep(0.0005)
-    time.sleep(f.get("delay", 0))
-    if f["what"] == "hook":
-        rec["struck"] = hook.poll() is None
-        hook.kill()
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    # the runtime cannot reap its init while it waits for hooks: the PID stays a zombie, so
-    # it can never name another process during the hook
-    for _ in range(2000):
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                state = fh.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            state = "gone"
-        if state in ("Z", "X", "gone"):
-            break
-        time.sleep(0.001)
-    rec["container_state"] = state
-rc = 0
-for _ in range(opts.get("repeat", 1) if argv else 0):
-    hook = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    striker = threading.Thread(target=fault, args=(hook,)) if opts.get("fault") else None
-    if striker:
-        striker.start()
-    _, err = hook.communicate(raw, timeout=90)
-    if striker:
-        striker.join()
-    rc = hook.returncode
-    rec["runs"].append({"rc": rc, "stderr": err.decode("utf-8", "surrogateescape")})
-    if rc:
-        break
-if sampler:
-    sampler.send_signal(signal.SIGTERM)
-    rec["sample"] = json.loads(sampler.communicate(timeout=30)[0].strip().splitlines()[-1])
-rec.update(after=read(f"/proc/{pid}/mountinfo"), runtime_after=read("/proc/self/mountinfo"),
-           host=read(f"/proc/{host_pid}/mountinfo"), devices_after=devices(), rc=rc)
-# reap the orphans (they die with the hook through PDEATHSIG) before the runtime sees us exit
-signal.alarm(30)
-while True:
-    try:
-        os.waitpid(-1, 0)
-    except ChildProcessError:
-        break
-signal.alarm(0)
-with open(out, "w") as fh:
-    json.dump(rec, fh)
-sys.stderr.write(rec["runs"][-1]["stderr"] if rec["runs"] else "")
-sys.exit(rc if rc >= 0 else 1)
-"""
 
 
 @dataclasses.dataclass
@@ -813,7 +696,7 @@ def make_runtime_bundle(machine, workdir: Path, variant: Variant, *, env: Sequen
     ``hook_world``: our hook alone runs in the fake machine's world, for a runtime started
     outside it (``run_runtime(..., fake_world=False)``)."""
     record = workdir / f"record-{uuid.uuid4().hex[:8]}.json"
-    wrapped = [sys.executable, "-I", "-c", _WRAPPER, str(record), str(os.getpid()), json.dumps(opts or {})]
+    wrapped = [sys.executable, "-I", "-c", RECORDING_WRAPPER, str(record), str(os.getpid()), json.dumps(opts or {})]
     if our_hook:
         hook = nvc_argv("hook", no_openat2=variant.no_openat2) + ["--root", str(machine.root), *hook_args, "prestart"]
         wrapped += fake_proc_command(machine, hook) if hook_world else hook
