@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import replace
 
 import click
 
@@ -215,13 +214,13 @@ def cdi_generate(obj: _Context, output, fmt, strategies, vendor, cls, no_all_dev
     """A CDI spec for the driver and every GPU and MIG device."""
     from .cdi import commands, generate, store
 
-    opts = generate.Options(
-        hook_path=hook_path or commands.default_hook_path(), vendor=vendor, cls=cls,
-        strategies=tuple(dict.fromkeys(strategies)) or generate.DEFAULT_STRATEGIES, all_device=not no_all_device,
-        ldconfig=obj.config.ldconfig.removeprefix("@"),
-    )
+    hook = hook_path or commands.default_hook_path()
     inv = obj.inventory()
-    opts = replace(opts, allow=obj.allow_list(inv))
+    opts = generate.Options(
+        hook_path=hook, vendor=vendor, cls=cls,
+        strategies=tuple(dict.fromkeys(strategies)) or generate.DEFAULT_STRATEGIES, all_device=not no_all_device,
+        ldconfig=obj.config.ldconfig.removeprefix("@"), allow=obj.allow_list(inv),
+    )
     text = commands.generate_spec(inv, opts, store.format_for(output, fmt), output)
     if text is not None:
         sys.stdout.write(text)

@@ -152,16 +152,21 @@ def _private_dir(path: str) -> None:
 # --- the loop --------------------------------------------------------------------------------------
 
 
-_KILLED = -1.0   # Request.gone once the child was killed (it is reaped when its pidfd says so)
-
-
 class _Request:
-    """A child serving one client. ``gone``: when its client hung up, if it has."""
+    """A child serving one client. ``gone``: when its client hung up, if it has; ``killed``:
+    the child was killed for it (it is reaped when its pidfd says so)."""
 
-    __slots__ = ("pid", "conn", "gone")
+    __slots__ = ("pid", "conn", "gone", "killed")
 
     def __init__(self, pid: int, conn: socket.socket):
-        self.pid, self.conn, self.gone = pid, conn, None
+        self.pid, self.conn, self.gone, self.killed = pid, conn, None, False
+
+    def overdue(self, now: float) -> float | None:
+        """Seconds until the grace after the client hung up ends (<= 0: now); None if the
+        client is still there or the child was already killed."""
+        if self.gone is None or self.killed:
+            return None
+        return self.gone + CLIENT_GONE_GRACE - now
 
 
 def serve(path: str, cfg, *, ready=None) -> int:
@@ -219,8 +224,7 @@ def _loop(sock: socket.socket, status: str, ready) -> int:
                 if req.gone is None:
                     poller.register(req.conn.fileno(), 0)   # only POLLHUP/POLLERR: the client hung up
                     by_conn[req.conn.fileno()] = pidfd
-                elif req.gone != _KILLED:
-                    left = req.gone + CLIENT_GONE_GRACE - time.monotonic()
+                elif (left := req.overdue(time.monotonic())) is not None:
                     timeout = left if timeout is None else min(timeout, left)
             events = poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
             for fd, what in events:
@@ -237,10 +241,11 @@ def _loop(sock: socket.socket, status: str, ready) -> int:
             # nobody is waiting for what it would still do.
             now = time.monotonic()
             for req in children.values():
-                if req.gone is not None and req.gone != _KILLED and now - req.gone >= CLIENT_GONE_GRACE:
+                left = req.overdue(now)
+                if left is not None and left <= 0:
                     log.info(f"client of request {req.pid} went away: killing it")
                     _kill(req.pid)
-                    req.gone = _KILLED
+                    req.killed = True
     finally:
         signal.set_wakeup_fd(-1)
         for signo, handler in old_handlers.items():
@@ -324,9 +329,8 @@ def handle(conn: socket.socket) -> int:
     except (OSError, ValueError) as exc:
         return _decline(conn, f"bad request: {exc}")
     try:
-        reason = _decline_reason(conn, data)
-        if not reason:
-            _pid, umask, argv, env = hookclient.decode_request(data)
+        claimed, umask, argv, env = hookclient.decode_request(data)
+        reason = _decline_reason(conn, claimed)
     except ValueError as exc:
         reason = f"bad request: {exc}"
     if reason:
@@ -374,11 +378,11 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
     return data, fds
 
 
-def _decline_reason(conn: socket.socket, data: bytes) -> str | None:
+def _decline_reason(conn: socket.socket, claimed: int) -> str | None:
+    """Why this server must not run the request (``claimed``: the PID the client says it has)."""
     peer_pid, peer_uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     if peer_uid != 0:
         return f"client uid {peer_uid} is not root"
-    claimed = hookclient.decode_request(data)[0]
     if peer_pid <= 0 or claimed != peer_pid:
         return "client in another PID namespace"
     try:
