@@ -13,6 +13,8 @@ import gc
 import sys
 import time
 
+from .hookclient import OPTIONS, forward
+
 PROG = "nvcontainer-hook"
 
 USAGE = f"""usage: {PROG} [--root PATH] [--ldcache FILE] [--debug FILE] [--user UID[:GID]] [--config FILE]
@@ -31,9 +33,8 @@ CDI_HOOKS = ("create-symlinks", "update-ldcache", "disable-device-node-modificat
 # Set in a child of ``nvcontainer serve`` to the server's PID, for the trace.
 SERVED_BY: int | None = None
 
-_VALUED = {"--root": "root", "--ldcache": "ldcache", "--debug": "debug", "--user": "user", "--config": "config",
-           "--socket": "socket"}
-_SHORT = {"-r": "--root", "-l": "--ldcache", "-d": "--debug", "-u": "--user"}
+_VALUED = {name: name[2:] for name in OPTIONS}
+_SHORT = {short: name for name, short in OPTIONS.items() if short}
 
 
 class _Usage(Exception):
@@ -109,8 +110,6 @@ def main(argv: list[str] | None = None, *, serve: bool = True) -> int:
     false in the server's own children and where the caller already asked it."""
     argv = sys.argv[1:] if argv is None else argv
     if serve and argv[-1:] == ["prestart"]:
-        from .hookclient import forward
-
         status = forward(argv)
         if status is not None:
             return status

@@ -32,8 +32,10 @@ REPLY_TIMEOUT = 600.0   # the server bounds every run by its deadline; this only
 PROG = "nvcontainer-hook"
 
 
-# The hook's options that take a value (as the next argument unless given with "=").
-VALUED = ("--root", "-r", "--ldcache", "-l", "--debug", "-d", "--user", "-u", "--config", "--socket")
+# The hook's options that take a value (as the next argument unless given with "="), with their
+# short forms. The one list: ``hook.parse_args`` reads it too, so the two parsers cannot drift.
+OPTIONS = {"--root": "-r", "--ldcache": "-l", "--debug": "-d", "--user": "-u", "--config": None, "--socket": None}
+VALUED = frozenset([*OPTIONS, *filter(None, OPTIONS.values())])
 
 
 def socket_path(argv):
