@@ -212,22 +212,14 @@ def _serve(f: Facts) -> Check:
 
 
 def serve_state(path: str) -> str:
-    """Whether a server answers at ``path``: connecting is enough (it declines the empty request)."""
-    import socket
+    """``listening``, ``stale`` or ``absent`` (nothing there, not a socket, or not readable)."""
+    from .serve import socket_state
 
     try:
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            return "absent"
+        state = socket_state(path)
     except OSError:
         return "absent"
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    try:
-        probe.connect(path)
-        return "listening"
-    except OSError:
-        return "stale"
-    finally:
-        probe.close()
+    return "absent" if state == "not a socket" else state
 
 
 # --- output ------------------------------------------------------------------------------------

@@ -108,21 +108,15 @@ def listen(path: str) -> socket.socket:
     directory = os.path.dirname(path)
     _private_dir(directory)
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise NvcError("input", f"{escape(path)} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)   # stale: left by a server that did not stop cleanly
-        else:
-            raise NvcError("input", f"another nvcontainer serve is listening on {escape(path)}")
-        finally:
-            probe.close()
+        state = socket_state(path)
+    except OSError as exc:
+        raise NvcError("input", f"cannot look at {escape(path)}: {exc.strerror}") from None
+    if state == "not a socket":
+        raise NvcError("input", f"{escape(path)} exists and is not a socket")
+    if state == "listening":
+        raise NvcError("input", f"another nvcontainer serve is listening on {escape(path)}")
+    if state == "stale":
+        os.unlink(path)   # left by a server that did not stop cleanly
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     old = os.umask(0o177)
     try:
@@ -134,6 +128,26 @@ def listen(path: str) -> socket.socket:
         os.umask(old)
     sock.listen(BACKLOG)
     return sock
+
+
+def socket_state(path: str) -> str:
+    """What is at ``path``: ``absent``, ``not a socket``, a socket a server answers on
+    (``listening``: connecting is enough, the server declines the empty request) or one nobody
+    answers (``stale``). Other lstat errors are raised."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "absent"
+    if not stat.S_ISSOCK(st.st_mode):
+        return "not a socket"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        probe.connect(path)
+        return "listening"
+    except OSError:
+        return "stale"
+    finally:
+        probe.close()
 
 
 def _private_dir(path: str) -> None:
