@@ -83,7 +83,7 @@ def served(ws: workspace.Workspace, machine, base: Path, runs: int) -> int:
 
     socket = ws.socket("profile")
     out = base / "probe.jsonl"
-    client = [str(ws.python), *ws.client_argv(machine, socket)]
+    client = ws.client_argv(machine, socket)
     logs = [base / f"debug-{i}.log" for i in range(runs)]
     entries = [ws.probe_entry(out, client)] * 2 + [ws.probe_entry(out, [*client[:-1], "--debug", str(log), "prestart"])
                                                    for log in logs]

@@ -133,6 +133,7 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
     # Served arms first in the table; every arm of a step is interleaved with every other.
     arms = {"none": ([], workspace.CONTAINER_ENV),
             "served": ([served], workspace.CONTAINER_ENV),
+            "served-python": ([ws.served_entry(fast, sock_v1, native=False)], workspace.CONTAINER_ENV),
             "served-console": ([served_console], workspace.CONTAINER_ENV),
             "served-nogpu": ([served], []),
             "hook": ([ws.hook_entry(fast)], workspace.CONTAINER_ENV),
@@ -145,7 +146,7 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
     for label, script in ws.others.items():
         arms[f"hook-{label}"] = ([ws.hook_entry(fast, script)], workspace.CONTAINER_ENV)
         arms[f"hook-{label}-nogpu"] = ([ws.hook_entry(fast, script)], [])
-    probes = {"served": [str(ws.python), *ws.client_argv(fast, sock_v1)],
+    probes = {"served": ws.client_argv(fast, sock_v1),
               "hook": [str(ws.hook), "--root", str(fast.root), "prestart"],
               "configure": [str(ws.cli), "--root", str(fast.root), "configure", "--pid", "{pid}", "--device", "0",
                             "--compute", "--utility", "{rootfs}"]}
@@ -155,7 +156,8 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
     if {"v1", "concurrent", "probes"} & set(parts):
         # first: is every served registration served in this world? (and the server's first forks)
         steps.append(check(max(3, min(runs, 10)) if "probes" in parts else 3,
-                           {"served": served, "served-console": served_console}))
+                           {"served": served, "served-python": arms["served-python"][0][0],
+                            "served-console": served_console}))
     if "v1" in parts:
         steps.append({"kind": "interleaved", "name": "v1",
                       "arms": {arm: bundles(runs, *hooks, env=env) for arm, (hooks, env) in arms.items()},
@@ -227,6 +229,7 @@ ROWS = (
     ("# runc run of busybox true (interleaved)", None),
     ("cgroup v1, no hook", "v1/none"),
     ("cgroup v1, hook (served)", "v1/served"),
+    ("cgroup v1, hook (served, Python client)", "v1/served-python"),
     ("cgroup v1, hook (served, console script)", "v1/served-console"),
     ("cgroup v1, hook (served), container asks no GPU", "v1/served-nogpu"),
     ("cgroup v1, hook (in-process)", "v1/hook"),

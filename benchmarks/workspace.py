@@ -8,8 +8,9 @@
   the way pip writes them. That is what a regular (non-editable) install looks like at start-up:
   an editable install instead runs setuptools' import finder on every interpreter start.
 * A socket directory per world for the resident ``nvcontainer serve`` (root-owned, 0700, as the
-  server demands), and the registrations that reach it: the one ``nvcontainer setup`` writes
-  (the bare client ``python -I -S <package>/nvcontainer/hookclient.py --socket ...``) and the
+  server demands), and the registrations that reach it: the ones ``nvcontainer setup --serve``
+  writes (the native client it builds with the node's C compiler, and without a compiler the
+  bare Python client ``python -I -S <package>/nvcontainer/hookclient.py --socket ...``) and the
   console script with ``--socket``.
 * OCI bundles: one per container run, each with a fresh copy (hard links) of a busybox rootfs,
   as an engine gives every container a fresh rootfs; ``/proc/driver`` is a tmpfs from the spec,
@@ -29,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from nvcontainer import nativeclient
 from tests.fixtures.fakegpu import FakeSpec, build
 from tests.fixtures.fakegpu.build import FakeMachine
 from tests.fixtures.runtime import busybox_rootfs
@@ -57,6 +59,7 @@ if __name__ == '__main__':
 class Workspace:
     base: Path
     python: Path          # the production-like interpreter
+    native_client: Path   # the native hook client, built for that interpreter as setup does
     hook: Path            # its nvcontainer-hook console script
     cli: Path             # its nvcontainer console script
     package_dir: Path     # the tree that interpreter imports nvcontainer from
@@ -96,15 +99,17 @@ class Workspace:
         return {"path": str(script or self.hook), "args": ["nvcontainer-hook", *extra, "--root", str(machine.root),
                                                            "prestart"], "env": HOOK_ENV, "timeout": 60}
 
-    def served_entry(self, machine: FakeMachine, socket: Path) -> dict:
-        """The registration ``nvcontainer setup`` writes for a served hook: the bare client, run
-        without ``site`` (it imports only built-in modules), handing the run to the server."""
-        return {"path": str(self.python), "args": [str(self.python), *self.client_argv(machine, socket)],
-                "env": HOOK_ENV, "timeout": 60}
+    def served_entry(self, machine: FakeMachine, socket: Path, *, native: bool = True) -> dict:
+        """The registration ``nvcontainer setup --serve`` writes: the native client it builds
+        where a C compiler is found; ``native=False``: the one it writes without a compiler, the
+        Python client run without ``site`` (it imports only built-in modules)."""
+        argv = self.client_argv(machine, socket, native=native)
+        return {"path": argv[0], "args": argv, "env": HOOK_ENV, "timeout": 60}
 
-    def client_argv(self, machine: FakeMachine, socket: Path) -> list[str]:
-        return ["-I", "-S", str(self.package_dir / "nvcontainer" / "hookclient.py"), "--socket", str(socket),
-                "--root", str(machine.root), "prestart"]
+    def client_argv(self, machine: FakeMachine, socket: Path, *, native: bool = True) -> list[str]:
+        program = [str(self.native_client)] if native else \
+            [str(self.python), "-I", "-S", str(self.package_dir / "nvcontainer" / "hookclient.py")]
+        return [*program, "--socket", str(socket), "--root", str(machine.root), "prestart"]
 
     def socket(self, world: str) -> Path:
         """Where a world's server listens: a fresh root-owned 0700 directory per world, so that
@@ -133,6 +138,8 @@ def create(base: Path, compare: dict[str, str] | None = None) -> Workspace:
     base.chmod(0o755)   # the unprivileged NVML helper must read the driver roots below
     python, hook, cli = production_venv(base / "venv")
     package_dir = package_dir_of(python)
+    native_client = base / "venv" / "bin" / nativeclient.NAME
+    nativeclient.build(str(native_client), str(python))
     others = {}
     for label, where in (compare or {}).items():
         tree = base / f"tree-{label}"
@@ -150,7 +157,8 @@ def create(base: Path, compare: dict[str, str] | None = None) -> Workspace:
     spec_dir.mkdir()
     subprocess.run(["runc", "spec"], cwd=spec_dir, check=True)
     spec = json.loads((spec_dir / "config.json").read_text())
-    return Workspace(base=base, python=python, hook=hook, cli=cli, package_dir=package_dir,
+    return Workspace(base=base, python=python, native_client=native_client, hook=hook, cli=cli,
+                     package_dir=package_dir,
                      editable_hook=editable if editable.exists() else None, others=others, template=template,
                      spec=spec)
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from . import log
 from .errors import NvcError, escape
 from .inventory.model import CTL_MINOR, NVIDIA_MAJOR
+from .nativeclient import NAME as NATIVE_CLIENT
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 LIBRARIES = ("libnvidia-ml.so.1", "libcuda.so.1")
@@ -392,7 +393,9 @@ def _hooks_d_entry(text: str | None) -> str | None:
         hook = json.loads(text or "null")["hook"]
         provider = _provider(hook["path"])
         args = hook.get("args") or []
-        if not provider and any(isinstance(a, str) and a.endswith("/nvcontainer/hookclient.py") for a in args):
+        native = isinstance(hook["path"], str) and os.path.basename(hook["path"]) == NATIVE_CLIENT
+        if not provider and (native or any(isinstance(a, str) and a.endswith("/nvcontainer/hookclient.py")
+                                           for a in args)):
             return f"nvcontainer hook {hook['path']} (client of nvcontainer serve)"
     except (ValueError, TypeError, KeyError, AttributeError):
         return None

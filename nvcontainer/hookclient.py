@@ -13,6 +13,9 @@ namespace or another root than this hook, so the container's PID or paths would 
 something else to it), the run happens here, in this process, exactly as without a server.
 The server declines before it reads anything, so the state on stdin is still unread then.
 
+``hookclient.c`` is the same client as a native program (``nvcontainer setup --serve`` builds
+it where a C compiler is found): this module is its specification.
+
 This module imports nothing but built-in modules (``_socket``, ``os``, ``sys``) and may be run
 as a script with ``python -I -S`` (no ``site``): registration files written by
 ``nvcontainer setup`` do that, which makes the client start in about the time of a bare
@@ -124,8 +127,10 @@ def forward(argv):
         return None
     if reply.startswith(b"rc ") and reply[3:].isdigit() and len(reply) < 8:
         return int(reply[3:])
-    detail = reply.decode("ascii", "replace") if reply.isascii() and reply.isprintable() else "no answer"
-    os.write(2, ("%s: error: nvcontainer serve at %s: %s\n" % (PROG, path, detail or "no answer")).encode())
+    detail = reply.decode("ascii", "replace")
+    if not (reply.isascii() and detail.isprintable() and detail):
+        detail = "no answer"
+    os.write(2, ("%s: error: nvcontainer serve at %s: %s\n" % (PROG, path, detail)).encode())
     return 1
 
 

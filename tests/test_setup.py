@@ -114,14 +114,47 @@ def test_serve_installs_the_service_and_registers_the_client(tmp_path):
         assert setup.UNIT_PATH in [f.path for f in setup.steps(engine, HOOK, "/opt/nvc/bin", served=served).files]
     runc = setup.steps("runc", HOOK, "/opt/nvc/bin", served=served)
     assert json.loads(runc.fragments[0][1])["hooks"]["prestart"] == [served.entry()]
+    assert any("no C compiler" in n for n in s.notes) and not s.builds
 
 
-def test_cli_serve_names_this_installation(tmp_path):
-    res = subprocess.run([*CLI, "setup", "crio", "--serve", "--dry-run", "--prefix", str(tmp_path), "--hook-path",
-                          HOOK], capture_output=True, text=True, timeout=60)
+def test_serve_builds_the_native_client_before_registering_it(tmp_path):
+    native = "/opt/nvc/bin/nvcontainer-hook-client"
+    served = setup.Served(python=sys.executable, client="/opt/nvc/lib/nvcontainer/hookclient.py",
+                          cli="/opt/nvc/bin/nvcontainer", native=native)
+    s = setup.steps("podman", HOOK, "/opt/nvc/bin", served=served)
+    assert s.builds == (setup.BuildClient(native, sys.executable),)
+    report = setup.perform(s, prefix=str(tmp_path), stamp="T")
+    assert report.startswith(f"built {native}: the native hook client (")
+    program = tmp_path / native.lstrip("/")
+    assert os.access(program, os.X_OK) and sys.executable.encode() in program.read_bytes()
+    hooks_d = json.loads((tmp_path / "etc/containers/oci/hooks.d/oci-nvcontainer-hook.json").read_text())
+    assert hooks_d["hook"] == {"path": native, "args": [native, "prestart"]}
+    assert [what for _, what, _ in doctor.registrations(str(tmp_path))] == [
+        f"nvcontainer hook {native} (client of nvcontainer serve)"]
+
+
+def test_a_failed_build_registers_nothing(tmp_path, monkeypatch):
+    from nvcontainer import nativeclient
+
+    monkeypatch.setattr(nativeclient, "compiler", lambda: str(tmp_path / "no-cc"))
+    served = setup.Served(python=sys.executable, client="c.py", cli="nvcontainer", native="/opt/nvc/bin/client")
+    with pytest.raises(NvcError, match="cannot run"):
+        setup.perform(setup.steps("podman", HOOK, "/opt/nvc/bin", served=served), prefix=str(tmp_path), stamp="T")
+    assert not any(tmp_path.rglob("*.json")) and not (tmp_path / "etc/systemd").exists()
+
+
+@pytest.mark.parametrize("extra, native", [((), True), (("--python-client",), False)])
+def test_cli_serve_names_this_installation(tmp_path, extra, native):
+    res = subprocess.run([*CLI, "setup", "crio", "--serve", *extra, "--dry-run", "--prefix", str(tmp_path),
+                          "--hook-path", HOOK], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     import nvcontainer.hookclient
 
-    assert f'"{os.path.abspath(nvcontainer.hookclient.__file__)}",' in res.stdout
+    client = f'"{os.path.abspath(nvcontainer.hookclient.__file__)}",'
+    if native:   # this machine has a C compiler (the tests build the mock NVML with it)
+        assert res.stdout.startswith("would build /opt/nvc/bin/nvcontainer-hook-client: the native hook client")
+        assert '"path": "/opt/nvc/bin/nvcontainer-hook-client"' in res.stdout and client not in res.stdout
+    else:
+        assert client in res.stdout and "would build" not in res.stdout
     assert "ExecStart=/opt/nvc/bin/nvcontainer serve" in res.stdout
     assert not any(tmp_path.iterdir())

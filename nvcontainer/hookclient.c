@@ -1,0 +1,221 @@
+/*
+ * The hook's fast path as a native program: hookclient.py's protocol, without an interpreter.
+ *
+ * Why it exists: a container start waits for the hook, and a Python interpreter takes about
+ * 8 ms to start before hookclient.py can say a word to the server (docs/performance.md). This
+ * program does the same three things in well under a millisecond: hand argv, umask, PATH and
+ * CUDA_MPS_PIPE_DIRECTORY and fds 0, 1, 2 and the working directory to `nvcontainer serve`;
+ * exit with the status the server answers; or, when nothing listens or the server declines,
+ * exec the full Python hook (`PYTHON -I -m nvcontainer.hook ARGS`) exactly as hookclient.py does.
+ * hookclient.py is the specification and tests hold the two to the same bytes and behaviour.
+ *
+ * `nvcontainer setup --serve` builds it (nvcontainer/nativeclient.py), writing nvc_config.h:
+ * NVC_PYTHON, the interpreter of the install, and NVC_VALUED, hookclient.OPTIONS's options
+ * that take a value, so the --socket scan reads the same table as the hook's parser.
+ *
+ * It reads nothing from the container and never reads stdin: the server does, after it has
+ * decided to take the run, and a declined run leaves stdin to the Python hook.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "nvc_config.h"
+
+#define SOCKET_DEFAULT "/run/nvcontainer/hook.sock"
+#define MAX_REQUEST (64 << 10)
+#define REPLY_MAX 4096
+#define REPLY_TIMEOUT_MS (600 * 1000)
+#define PROG "nvcontainer-hook"
+
+static const char *const valued[] = {NVC_VALUED, NULL};
+static const char *const env_names[] = {"PATH", "CUDA_MPS_PIPE_DIRECTORY", NULL};
+
+static int is_valued(const char *name, size_t len)
+{
+    for (const char *const *v = valued; *v; v++)
+        if (strlen(*v) == len && memcmp(*v, name, len) == 0)
+            return 1;
+    return 0;
+}
+
+/* --socket PATH among the global options (before the stage word), else the default. */
+static const char *socket_path(int argc, char **argv)
+{
+    const char *path = SOCKET_DEFAULT;
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (arg[0] != '-')
+            break;
+        const char *eq = strchr(arg, '=');
+        size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
+        const char *value = eq ? eq + 1 : "";
+        if (!eq && is_valued(arg, len)) {
+            value = i + 1 < argc ? argv[i + 1] : "";
+            i++;
+        }
+        if (len == 8 && memcmp(arg, "--socket", 8) == 0)
+            path = value;
+    }
+    return path;
+}
+
+static int append(char *buf, size_t *used, const char *s, size_t len)
+{
+    if (len > MAX_REQUEST - *used)
+        return -1;
+    memcpy(buf + *used, s, len);
+    *used += len;
+    return 0;
+}
+
+/* The request bytes of hookclient.encode_request; -1 if over MAX_REQUEST (the Python client
+ * would have its send refused by the server's size check and run in-process: so do we). */
+static long encode_request(char *buf, int argc, char **argv, mode_t mask)
+{
+    const char *env[2];
+    static char pair[2][MAX_REQUEST];
+    int nenv = 0;
+    for (const char *const *n = env_names; *n; n++) {
+        const char *v = getenv(*n);
+        if (!v)
+            continue;
+        int len = snprintf(pair[nenv], sizeof pair[nenv], "%s=%s", *n, v);
+        if (len < 0 || (size_t)len >= sizeof pair[nenv])
+            return -1;
+        env[nenv] = pair[nenv];
+        nenv++;
+    }
+    size_t used = 0;
+    int len = snprintf(buf, MAX_REQUEST, "NVC1 %d %u %d %d\n", (int)getpid(), (unsigned)mask, argc - 1, nenv);
+    if (len < 0 || len >= MAX_REQUEST)
+        return -1;
+    used = (size_t)len;
+    for (int i = 1; i < argc; i++)
+        if (append(buf, &used, argv[i], strlen(argv[i]) + 1) < 0)
+            return -1;
+    for (int i = 0; i < nenv; i++)
+        if (append(buf, &used, env[i], strlen(env[i]) + 1) < 0)
+            return -1;
+    return (long)used;
+}
+
+static void say(const char *path, const char *detail)
+{
+    dprintf(2, "%s: error: nvcontainer serve at %s: %s\n", PROG, path, detail);
+}
+
+/* The exit status of the run done by the server, or -1 when no server took it. */
+static int forward(int argc, char **argv)
+{
+    const char *path = socket_path(argc, argv);
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    if (!*path || strlen(path) >= sizeof addr.sun_path)
+        return -1;
+    strcpy(addr.sun_path, path);
+    int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (sock < 0)
+        return -1;
+    if (connect(sock, (struct sockaddr *)&addr, sizeof addr) < 0) {
+        close(sock);
+        return -1;
+    }
+    int cwd = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (cwd < 0) {
+        close(sock);
+        return -1;
+    }
+    mode_t mask = umask(022);
+    umask(mask);
+    static char request[MAX_REQUEST];
+    long size = encode_request(request, argc, argv, mask);
+    if (size < 0) {
+        close(cwd);
+        close(sock);
+        return -1;
+    }
+    int fds[4] = {0, 1, 2, cwd};
+    union {
+        char buf[CMSG_SPACE(sizeof fds)];
+        struct cmsghdr align;
+    } control;
+    memset(&control, 0, sizeof control);
+    struct iovec iov = {.iov_base = request, .iov_len = (size_t)size};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof fds);
+    memcpy(CMSG_DATA(cmsg), fds, sizeof fds);
+    ssize_t sent = sendmsg(sock, &msg, MSG_NOSIGNAL);
+    close(cwd);
+    if (sent < 0) {
+        close(sock);
+        return -1; /* e.g. a closed stdio fd: the in-process run reports it its own way */
+    }
+
+    char reply[REPLY_MAX + 1];
+    char failure[128] = "no answer";
+    ssize_t got = -1;
+    struct pollfd pfd = {.fd = sock, .events = POLLIN};
+    int ready;
+    do
+        ready = poll(&pfd, 1, REPLY_TIMEOUT_MS);
+    while (ready < 0 && errno == EINTR);
+    if (ready > 0) {
+        do
+            got = recv(sock, reply, REPLY_MAX, 0);
+        while (got < 0 && errno == EINTR);
+    }
+    if (ready == 0)
+        snprintf(failure, sizeof failure, "no answer (timed out)");
+    else if (ready < 0 || got < 0)
+        snprintf(failure, sizeof failure, "no answer (%s)", strerror(errno));
+    close(sock);
+    if (got < 0)
+        got = 0;
+    reply[got] = '\0';
+
+    if (got >= 9 && memcmp(reply, "declined ", 9) == 0)
+        return -1;
+    if (got > 3 && got < 8 && memcmp(reply, "rc ", 3) == 0 && strspn(reply + 3, "0123456789") == (size_t)(got - 3))
+        return atoi(reply + 3);
+    int printable = got > 0;
+    for (ssize_t i = 0; i < got; i++)
+        if (reply[i] < 0x20 || reply[i] > 0x7e)
+            printable = 0;
+    say(path, printable ? reply : failure);
+    return 1;
+}
+
+int main(int argc, char **argv)
+{
+    int status = forward(argc, argv);
+    if (status >= 0)
+        return status;
+    /* Nobody took it: the full hook in the install's interpreter. -I keeps PYTHON* variables
+     * of the hook's environment out. */
+    char **args = calloc((size_t)argc + 4, sizeof *args);
+    if (!args) {
+        dprintf(2, "%s: error: out of memory\n", PROG);
+        return 1;
+    }
+    args[0] = (char *)NVC_PYTHON;
+    args[1] = "-I";
+    args[2] = "-m";
+    args[3] = "nvcontainer.hook";
+    for (int i = 1; i < argc; i++)
+        args[i + 3] = argv[i];
+    execv(NVC_PYTHON, args);
+    dprintf(2, "%s: error: cannot run %s: %s\n", PROG, NVC_PYTHON, strerror(errno));
+    return 1;
+}
