@@ -275,8 +275,10 @@ def doctor(obj: _Context, as_json: bool, spec_dirs) -> None:
 @cli.command()
 @click.option("--socket", "socket_path", metavar="PATH", default="/run/nvcontainer/hook.sock", show_default=True,
               help="Where to listen (in a directory only root may enter; the socket is 0600).")
+@click.option("--spare/--no-spare", default=True, show_default=True,
+              help="Fork each request's child ahead, while idle, and warm its memory.")
 @click.pass_obj
-def serve(obj: _Context, socket_path: str) -> None:
+def serve(obj: _Context, socket_path: str, spare: bool) -> None:
     """Run hooks warm: a resident helper that nvcontainer-hook hands its runs to."""
     from . import serve as server
 
@@ -284,7 +286,7 @@ def serve(obj: _Context, socket_path: str) -> None:
         sys.stderr.write(f"{PROG} serve: listening on {escape(socket_path)}; {status}\n")
         sys.stderr.flush()
 
-    server.serve(socket_path, obj.config, ready=ready)
+    server.serve(socket_path, obj.config, ready=ready, spare=spare)
 
 
 @cli.group()
@@ -346,9 +348,11 @@ def volume_remove(directory, version) -> None:
 @click.option("--cdi", "with_cdi", is_flag=True, help="Also generate the CDI spec (/var/run/cdi/nvidia.yaml).")
 @click.option("--hook-path", metavar="PATH", help="nvcontainer-hook as engines will run it. [default: the installed one]")
 @click.option("--serve", "served", is_flag=True,
-              help="Also install the nvcontainer serve service, and register its fast client as the hook.")
+              help="Also install the nvcontainer serve service, and register its fast client as the hook "
+                   "(native, built with the node's C compiler, when there is one).")
+@click.option("--python-client", is_flag=True, help="With --serve: register the Python client, build nothing.")
 @click.pass_obj
-def setup(obj: _Context, engine, dry_run, prefix, with_cdi, hook_path, served) -> None:
+def setup(obj: _Context, engine, dry_run, prefix, with_cdi, hook_path, served, python_client) -> None:
     """Install (or show) what ENGINE needs to run the hook or use CDI devices."""
     import os
 
@@ -360,8 +364,12 @@ def setup(obj: _Context, engine, dry_run, prefix, with_cdi, hook_path, served) -
     if served:
         from . import hookclient
 
+        from . import nativeclient
+
+        native = None if python_client or nativeclient.compiler() is None else \
+            os.path.join(os.path.dirname(hook), nativeclient.NAME)
         serve = engines.Served(python=sys.executable, client=os.path.abspath(hookclient.__file__),
-                               cli=os.path.join(os.path.dirname(hook), "nvcontainer"))
+                               cli=os.path.join(os.path.dirname(hook), "nvcontainer"), native=native)
     spec = None
     if with_cdi:
         from .cdi import generate

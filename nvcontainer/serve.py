@@ -19,6 +19,10 @@ What keeps it from being a new way in:
 * each request runs in a fresh child (a crash or a hang there is that request's alone), which
   is killed within ``CLIENT_GONE_GRACE`` of its client going away: runtimes SIGKILL only the
   hook on their timeout, and the child's workers die with it (``PR_SET_PDEATHSIG``);
+* that child is forked before its request comes (a *spare*), while the server is idle: it makes
+  its memory its own (:mod:`.prewarm`), then takes the next connection itself and hands the
+  server a copy so the hang-up watch above still holds. It serves one request only, like any
+  child; the time it saves is the copy-on-write faults a fresh child would take on the way;
 * this process stays single-threaded, takes nothing from the client's environment but the two
   variables the hook reads (and its umask), and bounds the request (64 KiB, four fds).
 """
@@ -41,6 +45,7 @@ from .errors import NvcError, escape
 
 MAX_CHILDREN = 256
 BACKLOG = 256
+MAX_SPARE_FAILURES = 3   # spares in a row that died without a request: stop forking them ahead
 REQUEST_TIMEOUT = 10.0   # for the request message to arrive after connect
 CLIENT_GONE_GRACE = 0.1  # seconds a child may take to exit after its client hung up
 _NAMESPACES = ("mnt", "pid", "cgroup", "user")
@@ -183,7 +188,17 @@ class _Request:
         return self.gone + CLIENT_GONE_GRACE - now
 
 
-def serve(path: str, cfg, *, ready=None) -> int:
+class _Spare:
+    """The next request's child, forked ahead. ``notify``: where it hands over a copy of the
+    connection it took, after which it is an ordinary request child."""
+
+    __slots__ = ("pid", "pidfd", "notify")
+
+    def __init__(self, pid: int, pidfd: int, notify: socket.socket):
+        self.pid, self.pidfd, self.notify = pid, pidfd, notify
+
+
+def serve(path: str, cfg, *, ready=None, spare: bool = True) -> int:
     """Serve until SIGTERM or SIGINT. ``ready`` (a callable) is told once requests are taken.
 
     The socket is bound before the imports and the inventory: a hook that comes during the
@@ -196,7 +211,7 @@ def serve(path: str, cfg, *, ready=None) -> int:
         status = warm(cfg)
         log.info(status)
         _prepare_ldconfig(cfg)
-        return _loop(sock, status, ready)
+        return _loop(sock, status, ready, spare)
     finally:
         sock.close()
         try:
@@ -207,7 +222,7 @@ def serve(path: str, cfg, *, ready=None) -> int:
             pass
 
 
-def _loop(sock: socket.socket, status: str, ready) -> int:
+def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     stopping: list[int] = []
 
@@ -217,6 +232,8 @@ def _loop(sock: socket.socket, status: str, ready) -> int:
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     children: dict[int, _Request] = {}   # by pidfd
+    spare: _Spare | None = None
+    spare_failures = 0
     # Everything imported so far lives as long as the server: keep it out of the collector's
     # walks, here and in every child, whose pages then stay shared.
     gc.collect()
@@ -227,9 +244,14 @@ def _loop(sock: socket.socket, status: str, ready) -> int:
         ready(status)
     try:
         while not stopping:
+            if spare is None and use_spare and len(children) < MAX_CHILDREN - 1:
+                spare = _fork_spare(sock)
             poller = select.poll()
             poller.register(wake_r, select.POLLIN)
-            if len(children) < MAX_CHILDREN:
+            if spare is not None:   # the spare accepts; this process does only without one
+                poller.register(spare.notify.fileno(), select.POLLIN)
+                poller.register(spare.pidfd, select.POLLIN)
+            elif len(children) < MAX_CHILDREN:
                 poller.register(sock.fileno(), select.POLLIN)
             by_conn = {}
             timeout = None
@@ -241,6 +263,14 @@ def _loop(sock: socket.socket, status: str, ready) -> int:
                 elif (left := req.overdue(time.monotonic())) is not None:
                     timeout = left if timeout is None else min(timeout, left)
             events = poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
+            if spare is not None and any(fd in (spare.notify.fileno(), spare.pidfd) for fd, _ in events):
+                taken = _taken(spare, children)
+                spare_failures = 0 if taken else spare_failures + 1
+                spare = None
+                if use_spare and spare_failures >= MAX_SPARE_FAILURES:
+                    log.warning(f"{spare_failures} spare children in a row died without a request: "
+                                "forking per request from now on")
+                    use_spare = False
             for fd, what in events:
                 if fd == wake_r:
                     _drain(wake_r)
@@ -264,6 +294,9 @@ def _loop(sock: socket.socket, status: str, ready) -> int:
         signal.set_wakeup_fd(-1)
         for signo, handler in old_handlers.items():
             signal.signal(signo, handler)
+        if spare is not None:   # it has no request (a handed-over one is in children)
+            _kill(spare.pid)
+            _taken(spare, children)
         for pidfd, req in list(children.items()):
             select.select([pidfd], [], [], 5.0)   # let a request in flight finish
             _kill(req.pid)
@@ -308,6 +341,76 @@ def _accept(sock: socket.socket, children: dict) -> None:
     children[os.pidfd_open(pid)] = _Request(pid, conn)
 
 
+def _fork_spare(sock: socket.socket) -> _Spare | None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        log.warning(f"cannot fork a spare child: {exc.strerror}")
+        ours.close()
+        theirs.close()
+        return None
+    if pid == 0:
+        code = 1
+        try:
+            ours.close()
+            code = _spare_child(sock, theirs)
+        finally:
+            os._exit(code)
+    theirs.close()
+    return _Spare(pid, os.pidfd_open(pid), ours)
+
+
+def _taken(spare: _Spare, children: dict) -> bool:
+    """The spare's news: it took a connection (it becomes a request child watched through the
+    copy it handed over; True), or it ended without one (reaped here; False)."""
+    conn = None
+    try:
+        _, ancillary, _, _ = spare.notify.recvmsg(1, socket.CMSG_SPACE(4), socket.MSG_DONTWAIT)
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(payload) >= 4:
+                fds = struct.unpack(f"{len(payload) // 4}i", payload[: len(payload) - len(payload) % 4])
+                conn = socket.socket(fileno=fds[0])
+                for extra in fds[1:]:
+                    os.close(extra)
+    except (BlockingIOError, InterruptedError):
+        pass
+    except OSError as exc:
+        log.warning(f"spare child {spare.pid}: {exc.strerror}")
+    spare.notify.close()
+    if conn is None:
+        _kill(spare.pid)   # whatever it was doing, it has no client to do it for
+        _reap(spare.pidfd, {spare.pidfd: _Request(spare.pid, None)})
+        return False
+    children[spare.pidfd] = _Request(spare.pid, conn)
+    return True
+
+
+def _spare_child(sock: socket.socket, notify: socket.socket) -> int:
+    import prctl
+
+    from . import prewarm
+
+    _become_request_child()
+    prctl.set_name("nvc-spare")
+
+    def client_waiting() -> bool:
+        return bool(select.select([sock], [], [], 0)[0])
+
+    prewarm.own_pages(client_waiting)
+    while True:
+        select.select([sock], [], [])   # the server going away kills this child (PDEATHSIG)
+        try:
+            conn, _ = sock.accept()
+            break
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            continue
+    sock.close()
+    notify.sendmsg([b"t"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", conn.fileno()))])
+    notify.close()
+    return handle(conn)
+
+
 def _reap(pidfd: int, children: dict) -> None:
     req = children.pop(pidfd)
     try:
@@ -315,7 +418,8 @@ def _reap(pidfd: int, children: dict) -> None:
     except ChildProcessError:
         pass
     os.close(pidfd)
-    req.conn.close()
+    if req.conn is not None:
+        req.conn.close()
 
 
 def _kill(pid: int) -> None:
@@ -331,12 +435,7 @@ def _kill(pid: int) -> None:
 def handle(conn: socket.socket) -> int:
     """Check the peer, take its fds, become the hook it stands for, answer. Returns the exit
     code of this child (not of the hook)."""
-    import prctl
-
-    prctl.set_pdeathsig(signal.SIGKILL)   # a server stopped hard takes its requests with it
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.set_wakeup_fd(-1)
+    _become_request_child()
     conn.settimeout(REQUEST_TIMEOUT)
     try:
         data, fds = _receive(conn)
@@ -376,6 +475,16 @@ def handle(conn: socket.socket) -> int:
     except OSError:
         pass
     return _answer(conn, f"rc {status & 0xFF}", code=0)
+
+
+def _become_request_child() -> None:
+    import prctl
+
+    prctl.set_pdeathsig(signal.SIGKILL)   # a server stopped hard takes its requests with it
+    prctl.set_name("nvc-request")         # what ps shows: a request, or (renamed) the spare
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
 
 
 def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:

@@ -41,17 +41,30 @@ DRIVER = textwrap.dedent(r"""
     import json, os, select, signal, subprocess, sys, time
     sock, root, steps, debug = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
     server = subprocess.Popen([sys.executable, "-I", "-m", "nvcontainer", "--root", root, "--debug", debug,
-                               "serve", "--socket", sock], stderr=subprocess.PIPE, text=True)
+                               "serve", "--socket", sock, *sys.argv[5:]], stderr=subprocess.PIPE, text=True)
     first = server.stderr.readline()
     out = {"ready": first, "steps": []}
+    def spares():
+        found = []
+        for _ in range(200):
+            found = subprocess.run(["pgrep", "-P", str(server.pid), "-x", "nvc-spare"], capture_output=True,
+                                   text=True).stdout.split()
+            if found or "--no-spare" in sys.argv:
+                break
+            time.sleep(0.01)
+        return found
     for step in steps:
+        spare_pids = spares()
         started = time.monotonic()
         env = dict(os.environ, **step.get("env", {}))
         res = subprocess.run(step["argv"], input=step.get("stdin", ""), capture_output=True, text=True, timeout=180,
                              env=env)
         out["steps"].append({"rc": res.returncode, "stdout": res.stdout, "stderr": res.stderr,
-                             "seconds": time.monotonic() - started})
+                             "seconds": time.monotonic() - started, "spares": spare_pids})
+    out["spares"] = spares()
     out["children"] = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
+    out["requests"] = subprocess.run(["pgrep", "-P", str(server.pid), "-x", "nvc-request"], capture_output=True,
+                                     text=True).stdout.split()
     out["server_fds"] = [os.readlink(f"/proc/{server.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{server.pid}/fd")]
     out["socket_mode"] = oct(os.lstat(sock).st_mode)
     out["dir_mode"] = oct(os.lstat(os.path.dirname(sock)).st_mode)
@@ -68,26 +81,45 @@ def state(pid: int, bundle: Path) -> str:
 
 
 def client(sock: str, *args: str) -> list[str]:
-    """The registration ``nvcontainer setup --serve`` writes: no site, builtin modules only."""
+    """The registration ``nvcontainer setup --serve`` writes without a C compiler: no site,
+    builtin modules only."""
     return [sys.executable, "-I", "-S", CLIENT, "--socket", sock, *args]
 
 
-def in_world(machine, tmp_path: Path, steps: list[dict], sock: str | None = None) -> dict:
+@pytest.fixture(scope="module")
+def native_client(tmp_path_factory) -> str:
+    from nvcontainer import nativeclient
+
+    path = str(tmp_path_factory.mktemp("native") / nativeclient.NAME)
+    nativeclient.build(path, sys.executable)
+    return path
+
+
+@pytest.fixture(params=["python", "native"])
+def any_client(request, native_client):
+    """Both registrations ``nvcontainer setup --serve`` writes: the Python client, and the
+    native one it builds where there is a C compiler."""
+    if request.param == "python":
+        return client
+    return lambda sock, *args: [native_client, "--socket", sock, *args]
+
+
+def in_world(machine, tmp_path: Path, steps: list[dict], sock: str | None = None, serve_args: tuple = ()) -> dict:
     sock = sock or str(tmp_path / "srv" / "hook.sock")
     argv = [sys.executable, "-I", "-c", DRIVER, sock, str(machine.root), json.dumps(steps),
-            str(tmp_path / "serve.log")]
+            str(tmp_path / "serve.log"), *serve_args]
     res = subprocess.run(fake_proc_command(machine, argv), capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
 
-def test_a_served_dry_run_is_the_in_process_one(fake_machine, tmp_path, bundle, pid):
+def test_a_served_dry_run_is_the_in_process_one(fake_machine, tmp_path, bundle, pid, any_client):
     write_config(bundle, ["NVIDIA_VISIBLE_DEVICES=1", "NVIDIA_DRIVER_CAPABILITIES=utility,compute"])
     sock = str(tmp_path / "srv" / "hook.sock")
     log = tmp_path / "hook.log"
     root = ["--root", str(fake_machine.root)]
     out = in_world(fake_machine, tmp_path, [
-        {"argv": client(sock, *root, "--debug", str(log), "--dry-run", "prestart"), "stdin": state(pid, bundle)},
+        {"argv": any_client(sock, *root, "--debug", str(log), "--dry-run", "prestart"), "stdin": state(pid, bundle)},
         {"argv": [*IN_PROCESS, *root, "--dry-run", "prestart"], "stdin": state(pid, bundle)},
     ], sock)
     served, local = out["steps"]
@@ -105,14 +137,14 @@ def test_a_served_dry_run_is_the_in_process_one(fake_machine, tmp_path, bundle, 
     (["NVIDIA_VISIBLE_DEVICES=0"], '{"pid": true, "bundle": "/x"}', "nvcontainer-hook: input error: state: pid"),
     (["NVIDIA_VISIBLE_DEVICES=0\x1b[2J\nforged"], None, "nvcontainer-hook: "),
 ])
-def test_a_served_failure_says_what_the_in_process_one_says(fake_machine, tmp_path, bundle, pid, env, st, expected):
+def test_a_served_failure_says_what_the_in_process_one_says(fake_machine, tmp_path, bundle, pid, env, st, expected, any_client):
     write_config(bundle, env)
     sock = str(tmp_path / "srv" / "hook.sock")
     log = tmp_path / "hook.log"
     root = ["--root", str(fake_machine.root)]
     stdin = st if st is not None else state(pid, bundle)
     out = in_world(fake_machine, tmp_path, [
-        {"argv": client(sock, *root, "--debug", str(log), "prestart"), "stdin": stdin},
+        {"argv": any_client(sock, *root, "--debug", str(log), "prestart"), "stdin": stdin},
         {"argv": [*IN_PROCESS, *root, "prestart"], "stdin": stdin},
     ], sock)
     served, local = out["steps"]
@@ -123,10 +155,10 @@ def test_a_served_failure_says_what_the_in_process_one_says(fake_machine, tmp_pa
         assert SERVED in log.read_text()
 
 
-def test_without_a_server_the_client_runs_the_hook_itself(fake_machine, tmp_path, bundle, pid):
+def test_without_a_server_the_client_runs_the_hook_itself(fake_machine, tmp_path, bundle, pid, any_client):
     write_config(bundle, ["NVIDIA_VISIBLE_DEVICES=0"])
     log = tmp_path / "hook.log"
-    res = subprocess.run(fake_proc_command(fake_machine, client(str(tmp_path / "none.sock"), "--root",
+    res = subprocess.run(fake_proc_command(fake_machine, any_client(str(tmp_path / "none.sock"), "--root",
                                                                 str(fake_machine.root), "--debug", str(log),
                                                                 "--dry-run", "prestart")),
                          input=state(pid, bundle), capture_output=True, text=True, timeout=60)
@@ -137,12 +169,12 @@ def test_without_a_server_the_client_runs_the_hook_itself(fake_machine, tmp_path
     assert "prestart: pid" in text and SERVED not in text
 
 
-def test_a_client_in_another_mount_namespace_is_declined_and_runs_itself(fake_machine, tmp_path, bundle, pid):
+def test_a_client_in_another_mount_namespace_is_declined_and_runs_itself(fake_machine, tmp_path, bundle, pid, any_client):
     write_config(bundle, ["NVIDIA_VISIBLE_DEVICES=0"])
     sock = str(tmp_path / "srv" / "hook.sock")
     log = tmp_path / "hook.log"
     argv = ["unshare", "-m", "--propagation", "private", "--",
-            *client(sock, "--root", str(fake_machine.root), "--debug", str(log), "--dry-run", "prestart")]
+            *any_client(sock, "--root", str(fake_machine.root), "--debug", str(log), "--dry-run", "prestart")]
     out = in_world(fake_machine, tmp_path, [{"argv": argv, "stdin": state(pid, bundle)}], sock)
     step, = out["steps"]
     assert step["rc"] == 0, step
@@ -160,6 +192,39 @@ def test_socket_is_root_only_and_goes_away_with_the_server(fake_machine, tmp_pat
     assert any(fd.startswith("/memfd:ldconfig") for fd in out["server_fds"]), out["server_fds"]
 
 
+def _hook_pid(log_text: str) -> int:
+    """The PID of the process that wrote the hook's trace (the glog-style third field)."""
+    line = next(line for line in log_text.splitlines() if "prestart: pid" in line)
+    return int(line.split()[2])
+
+
+def test_each_request_runs_in_the_spare_forked_before_it(fake_machine, tmp_path, bundle, pid):
+    """The spare takes the next request, and a new spare stands in for it; no child serves twice."""
+    write_config(bundle, ["NVIDIA_VISIBLE_DEVICES=0"])
+    sock = str(tmp_path / "srv" / "hook.sock")
+    logs = [tmp_path / f"hook-{i}.log" for i in range(3)]
+    out = in_world(fake_machine, tmp_path, [
+        {"argv": client(sock, "--root", str(fake_machine.root), "--debug", str(log), "--dry-run", "prestart"),
+         "stdin": state(pid, bundle)} for log in logs], sock)
+    assert all(step["rc"] == 0 for step in out["steps"]), out["steps"]
+    served_by = [_hook_pid(log.read_text()) for log in logs]
+    assert [len(step["spares"]) for step in out["steps"]] == [1, 1, 1] and len(out["spares"]) == 1
+    assert served_by == [int(step["spares"][0]) for step in out["steps"]]
+    assert len(set(served_by + [int(out["spares"][0])])) == 4
+
+
+def test_without_spares_each_request_gets_a_fresh_child(fake_machine, tmp_path, bundle, pid):
+    write_config(bundle, ["NVIDIA_VISIBLE_DEVICES=0"])
+    sock = str(tmp_path / "srv" / "hook.sock")
+    log = tmp_path / "hook.log"
+    out = in_world(fake_machine, tmp_path, [
+        {"argv": client(sock, "--root", str(fake_machine.root), "--debug", str(log), "--dry-run", "prestart"),
+         "stdin": state(pid, bundle)}], sock, serve_args=("--no-spare",))
+    step, = out["steps"]
+    assert step["rc"] == 0 and step["spares"] == [] and out["spares"] == []
+    assert SERVED in log.read_text()
+
+
 # Raw protocol cases, against a server in the test's own namespace.
 
 def start_server(machine, sock: Path, log: Path) -> subprocess.Popen:
@@ -169,6 +234,11 @@ def start_server(machine, sock: Path, log: Path) -> subprocess.Popen:
     line = proc.stderr.readline()
     assert "listening on" in line, line + proc.stderr.read()
     return proc
+
+
+def requests_of(pid: int) -> list[str]:
+    """The server's children serving a request (not the spare waiting for one)."""
+    return subprocess.run(["pgrep", "-P", str(pid), "-x", "nvc-request"], capture_output=True, text=True).stdout.split()
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -241,16 +311,16 @@ def test_a_non_root_client_is_declined(fake_machine):
         shutil.rmtree(base, ignore_errors=True)
 
 
-def test_a_request_dies_with_its_client(server, tmp_path):
+def test_a_request_dies_with_its_client(server, tmp_path, any_client):
     """Runtimes kill only the hook on their timeout: the request it started must not live on."""
     proc, sock = server
     r, w = os.pipe()   # the state never ends: the request waits for it
-    client_proc = subprocess.Popen(client(str(sock), "prestart"), stdin=r, stderr=subprocess.PIPE)
+    client_proc = subprocess.Popen(any_client(str(sock), "prestart"), stdin=r, stderr=subprocess.PIPE)
     os.close(r)
     try:
         children = []
         for _ in range(200):
-            children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            children = requests_of(proc.pid)
             if children:
                 break
             time.sleep(0.02)
@@ -258,7 +328,7 @@ def test_a_request_dies_with_its_client(server, tmp_path):
         client_proc.kill()
         client_proc.wait()
         for _ in range(200):
-            if not subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True).stdout:
+            if not requests_of(proc.pid):
                 break
             time.sleep(0.02)
         else:
@@ -266,6 +336,33 @@ def test_a_request_dies_with_its_client(server, tmp_path):
         assert "went away: killing it" in (tmp_path / "serve.log").read_text()
     finally:
         os.close(w)
+    assert proc.poll() is None
+
+
+def test_spares_that_keep_dying_give_way_to_forking_per_request(server, tmp_path):
+    proc, sock = server
+    for _ in range(3):
+        for _ in range(200):
+            spare = subprocess.run(["pgrep", "-P", str(proc.pid), "-x", "nvc-spare"], capture_output=True,
+                                   text=True).stdout.split()
+            if spare:
+                break
+            time.sleep(0.01)
+        assert spare, "no spare"
+        os.kill(int(spare[0]), signal.SIGKILL)
+        while os.path.exists(f"/proc/{spare[0]}/stat") and "Z" not in open(f"/proc/{spare[0]}/stat").read().split()[2:3]:
+            time.sleep(0.01)
+    for _ in range(200):
+        if "forking per request from now on" in (tmp_path / "serve.log").read_text():
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("the server kept forking spares")
+    time.sleep(0.1)
+    assert requests_of(proc.pid) == [] and not subprocess.run(["pgrep", "-P", str(proc.pid), "-x", "nvc-spare"],
+                                                              capture_output=True).stdout
+    # still serving, now from a child forked for the connection
+    assert _request(sock, b"NVC1 1 18 1 0\nprestart\0") == b"declined client in another PID namespace"
     assert proc.poll() is None
 
 
@@ -321,7 +418,7 @@ def test_the_client_imports_no_module_but_builtins(fake_machine, tmp_path, bundl
 # The product's main job, through real runtimes, served.
 
 @pytest.mark.parametrize("runtime", ["runc", "crun"])
-def test_runtime_starts_a_gpu_container_through_the_server(fake_machine, tmp_path, runtime):
+def test_runtime_starts_a_gpu_container_through_the_server(fake_machine, tmp_path, runtime, any_client):
     sock = str(tmp_path / "srv" / "hook.sock")
     log = tmp_path / "hook.log"
     script = ('echo "OPEN0:$(cat /dev/nvidia0 2>&1 | head -1)"\n'
@@ -330,8 +427,8 @@ def test_runtime_starts_a_gpu_container_through_the_server(fake_machine, tmp_pat
 
     def served_hook(spec):
         entry = spec["hooks"]["prestart"][1]
-        entry["args"] = client(sock, "--root", str(fake_machine.root), "--debug", str(log), "prestart")
-        entry["path"] = sys.executable
+        entry["args"] = any_client(sock, "--root", str(fake_machine.root), "--debug", str(log), "prestart")
+        entry["path"] = entry["args"][0]
 
     bundle = rt.make_bundle(tmp_path, fake_machine, ["NVIDIA_VISIBLE_DEVICES=0",
                                                      "NVIDIA_DRIVER_CAPABILITIES=compute,utility"],
@@ -350,10 +447,10 @@ def test_runtime_starts_a_gpu_container_through_the_server(fake_machine, tmp_pat
     assert "No such file" in facts["NV1"][0]
     assert facts["LIBS"] == ["2"] and facts["DONE"] == ["ok"]
     assert SERVED in log.read_text()
-    assert out["children"] == [] and out["server_rc"] == 0
+    assert out["requests"] == [] and out["server_rc"] == 0
 
 
-def test_podman_runs_the_client_that_setup_registers(fake_machine, tmp_path):
+def test_podman_runs_the_client_that_setup_registers(fake_machine, tmp_path, native_client):
     """hooks.d as ``nvcontainer setup podman --serve`` writes it, the server started beside podman."""
     from nvcontainer import setup
 
@@ -365,9 +462,9 @@ def test_podman_runs_the_client_that_setup_registers(fake_machine, tmp_path):
     driver_hook, _ = rt.hook_entries(fake_machine)
     (hooks / "00-proc-driver.json").write_text(json.dumps(
         {"version": "1.0.0", "hook": driver_hook, "when": {"always": True}, "stages": ["prestart"]}))
-    served = setup.Served(python=sys.executable, client=CLIENT, cli="unused")
+    served = setup.Served(python=sys.executable, client=CLIENT, cli="unused", native=native_client)
     entry = json.loads(setup.hook_json("unused", served))
-    assert entry["hook"]["args"] == client(sock, "prestart")[:4] + ["prestart"]
+    assert entry["hook"]["args"] == [native_client, "prestart"] and entry["hook"]["path"] == native_client
     entry["hook"]["args"][-1:] = ["--socket", sock, "--root", str(fake_machine.root), "--debug", str(log), "prestart"]
     (hooks / "01-nvcontainer.json").write_text(json.dumps(entry))
     (work / "containers.conf").write_text(rt.PODMAN_CONF)
@@ -461,7 +558,7 @@ def _tree(path: Path) -> dict:
 
 
 @pytest.mark.parametrize("link", ["absolute", "dotdot"])
-def test_a_hostile_image_gets_nothing_out_of_the_server(fake_machine, tmp_path, link):
+def test_a_hostile_image_gets_nothing_out_of_the_server(fake_machine, tmp_path, link, any_client):
     """The library directory and /etc/ld.so.conf.d of the image are links to a host directory:
     the served run resolves them inside the rootfs, as the in-process one does, and the host
     directory stays as it was."""
@@ -476,8 +573,8 @@ def test_a_hostile_image_gets_nothing_out_of_the_server(fake_machine, tmp_path, 
 
     def hostile(spec):
         entry = spec["hooks"]["prestart"][1]
-        entry["args"] = client(sock, "--root", str(fake_machine.root), "--debug", str(log), "prestart")
-        entry["path"] = sys.executable
+        entry["args"] = any_client(sock, "--root", str(fake_machine.root), "--debug", str(log), "prestart")
+        entry["path"] = entry["args"][0]
 
     bundle = rt.make_bundle(tmp_path, fake_machine, ["NVIDIA_VISIBLE_DEVICES=0"], script, extra_spec=hostile)
     rootfs = bundle / "rootfs"
