@@ -196,3 +196,137 @@ def test_worker_dies_with_its_parent(tmp_path):
         hook.kill()
         hook.wait()
     assert gone(child)
+
+
+# --- start / wait / kill, and stages ----------------------------------------------------------
+
+
+def wait_for_go(path):
+    end = time.monotonic() + 5
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            return "no go"
+        time.sleep(0.005)
+    return "went"
+
+
+def test_start_returns_while_the_child_works(tmp_path):
+    """The caller's own work happens between start and wait: here it is what the child waits for."""
+    go = tmp_path / "go"
+    running = worker.start(wait_for_go, str(go), deadline=10, name="waiter")
+    go.write_text("")
+    assert running.wait() == "went"
+
+
+def test_the_deadline_counts_from_start():
+    running = worker.start(time.sleep, 60, deadline=0.5, name="sleeper")
+    time.sleep(1)
+    start = time.monotonic()
+    with pytest.raises(NvcError, match=r"^timeout error: sleeper: timed out after 0.5s$"):
+        running.wait()
+    assert time.monotonic() - start < 2.5
+
+
+def test_kill_ends_the_child_and_its_grandchildren_and_reaps(tmp_path):
+    pidfile = tmp_path / "grandchild"
+    running = worker.start(hang_with_grandchild, str(pidfile), deadline=60, name="hang")
+    grandchild = int(wait_for_file(pidfile))
+    running.kill()
+    with pytest.raises(ChildProcessError):   # reaped, not left a zombie
+        os.waitpid(running.pid, os.WNOHANG)
+    assert gone(grandchild)
+    running.kill()   # again: nothing left to do
+    with pytest.raises(NvcError, match="already collected"):
+        running.wait()
+
+
+def two_steps(path, fail):
+    worker.stage("second step", "ldcache", {"first": "done"})
+    if fail == "signal":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if fail == "hang":
+        time.sleep(60)
+    if fail == "raise":
+        raise ValueError("broken")
+    return wait_for_go(path)
+
+
+def test_a_stage_note_reaches_the_parent_while_the_child_still_works(tmp_path):
+    go = tmp_path / "go"
+    notes = []
+
+    def on_stage(note):
+        notes.append(note)
+        go.write_text("")
+
+    assert worker.start(two_steps, str(go), "", deadline=10, name="first step").wait(on_stage) == "went"
+    assert notes == [{"first": "done"}]
+
+
+@pytest.mark.parametrize("fail, expect", [
+    ("raise", "^ldcache error: second step: ValueError: broken$"),
+    ("signal", "^ldcache error: second step: worker killed by signal SIGSEGV$"),
+    ("hang", r"^timeout error: second step: timed out after 1s$"),
+])
+def test_failures_after_a_stage_are_named_after_it(tmp_path, fail, expect):
+    with pytest.raises(NvcError, match=expect):
+        worker.start(two_steps, str(tmp_path), fail, deadline=1, name="first step", category="mount").wait()
+
+
+def test_a_stage_already_sent_names_a_timeout_noticed_late(tmp_path):
+    """The caller was busy past the deadline: the stage frame waiting in the pipe is read first."""
+    running = worker.start(two_steps, str(tmp_path), "hang", deadline=0.5, name="first step", category="mount")
+    time.sleep(1)
+    with pytest.raises(NvcError, match=r"^timeout error: second step: timed out after 0.5s$"):
+        running.wait()
+
+
+def big_stage(n):
+    worker.stage("next", "mount", "x" * n)
+    return "ok"
+
+
+def test_stage_notes_count_against_the_reply_limit():
+    assert worker.run(big_stage, 500, deadline=5, name="big", max_reply=1000) == "ok"
+    with pytest.raises(NvcError, match="^internal error: big: reply larger than 1000 bytes$"):
+        worker.run(big_stage, 5000, deadline=5, name="big", max_reply=1000)
+
+
+def test_stage_outside_a_worker_is_refused():
+    with pytest.raises(RuntimeError):
+        worker.stage("x", "mount")
+
+
+def test_next_stage_returns_while_the_child_goes_on(tmp_path):
+    go = tmp_path / "go"
+    running = worker.start(two_steps, str(go), "", deadline=10, name="first step", category="mount")
+    assert running.next_stage() == {"first": "done"}
+    assert (running.name, running.category) == ("second step", "ldcache")
+    go.write_text("")   # what the child's second step waits for: the caller's own work
+    assert running.wait() == "went"
+
+
+def fail_first():
+    raise NvcError("mount", "mount /x: not a directory")
+
+
+def test_next_stage_raises_the_first_steps_error():
+    running = worker.start(fail_first, deadline=5, name="first step", category="mount")
+    with pytest.raises(NvcError, match="^mount error: mount /x: not a directory$"):
+        running.next_stage()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(running.pid, os.WNOHANG)
+
+
+def test_next_stage_of_a_child_that_ends_without_one():
+    running = worker.start(add_and_report, 1, 2, deadline=5, name="one step", category="mount")
+    with pytest.raises(NvcError, match="^mount error: one step: worker ended before its next step$"):
+        running.next_stage()
+
+
+def test_next_stage_times_out_under_the_first_name():
+    running = worker.start(time.sleep, 60, deadline=0.5, name="first step", category="mount")
+    with pytest.raises(NvcError, match=r"^timeout error: first step: timed out after 0.5s$"):
+        running.next_stage()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(running.pid, os.WNOHANG)

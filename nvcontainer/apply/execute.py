@@ -1,9 +1,22 @@
 """Applying a plan: the only place that changes anything, and only what the plan says.
 
-Order: pin the container; prepare every source on the host; one worker in the container's
-mount namespace places mounts, device nodes, symlinks and files; the devices cgroup gets the
-plan's rules (from this host process, through the cgroup filesystem or bpf(2)); ldconfig runs
-in its own sandbox. A failure at any step stops the run with one line naming the step.
+Order: pin the container; prepare every source on the host (and the sealed ldconfig copy);
+start one worker, which enters the container's mount namespace, places mounts, device nodes,
+symlinks and files, and then runs ldconfig in its sandbox; once the worker says the mounts are
+placed, this host process gives the devices cgroup the plan's rules (through the cgroup
+filesystem or bpf(2)) while ldconfig runs. A failure at any step stops the run with one line
+naming the step.
+
+Why one worker for both container steps: each worker costs a fork, a ``setns`` and an exit,
+and ldconfig needs the mounts placed first anyway, so the sandbox starts from the worker that
+placed them (it leaves for a private copy of the namespace, as it would from a worker of its
+own). Why the cgroup step beside ldconfig and not after it: it needs nothing from the
+container's namespace and nothing ldconfig does, only ``/proc/PID`` reads in this process,
+which must stay in the host's namespace. Why not beside the mounts too: placing them is also a
+check (a target under a shared mount, i.e. a "container" that is in fact the host's namespace
+where the pin cannot tell, is refused there), and no device may be granted before it passed.
+If the cgroup step fails, the worker is killed and reaped before the error goes on, so nothing
+keeps changing a container whose start is failing.
 
 Only the pin step and the cgroup step look the container up by its PID; the others hold fds.
 The cgroup step re-checks the pin after reading ``/proc/PID``: a container that died and whose
@@ -18,7 +31,7 @@ import time
 from .. import log
 from ..errors import NvcError
 from ..plan.model import Plan
-from . import mounter, worker
+from . import ldconfig, mounter, worker
 from .pin import pin
 
 
@@ -30,36 +43,71 @@ def apply(plan: Plan, *, deadline: float = 30.0, mountinfo_pid: int | None = Non
     end = time.monotonic() + deadline
     pinned = pin(plan.pid)
     fds: list[int] = []
+    job = None
     try:
+        if plan.ldconfig is not None:
+            # Checked and opened before anything is mounted: a bad program fails the run early.
+            job = ldconfig.prepare_run(
+                plan.rootfs, list(plan.ldconfig.directories), ldconfig_host_path=plan.ldconfig.ldconfig.removeprefix("@"),
+                uid=plan.owner[0], gid=plan.owner[1],
+            )
         actions, fds = mounter.prepare(plan)
         log.info(f"prepared {len(fds)} detached mounts")
-        reply = worker.run(
-            mounter.place, pinned.mntns_fd, plan.rootfs, actions, list(plan.owner),
-            deadline=_left(end, "mount"), name="mount worker", keep_fds=[pinned.mntns_fd, *fds], category="mount",
+        running = worker.start(
+            _place_then_ldconfig, pinned.mntns_fd, plan.rootfs, actions, list(plan.owner), fds, job,
+            deadline=_left(end, "mount"), name="mount worker", category="mount",
+            keep_fds=[pinned.mntns_fd, *fds, *([job.exe] if job else [])],
         )
-        for w in reply["warnings"]:
-            log.warning(w)
-        log.info(f"placed {reply['done']} actions in {plan.rootfs}")
-        for fd in fds:
-            os.close(fd)
-        fds = []
-        if plan.cgroups:
-            _cgroups(plan, pinned, mountinfo_pid)
-        if plan.ldconfig is not None:
-            from .ldconfig import run_ldconfig
-
-            run_ldconfig(
-                pinned.mntns_fd, plan.rootfs, list(plan.ldconfig.directories),
-                ldconfig_host_path=plan.ldconfig.ldconfig.removeprefix("@"),
-                uid=plan.owner[0], gid=plan.owner[1], deadline=_left(end, "ldconfig"),
-            )
+        try:
+            for fd in fds:
+                os.close(fd)
+            fds = []
+            # The devices only after the mounts are in: see the module docstring.
+            _placed(running.wait() if job is None else running.next_stage(), plan.rootfs)
+            if plan.cgroups:
+                _cgroups(plan, pinned, mountinfo_pid)
+        except BaseException:
+            running.kill()
+            raise
+        if job is not None:
+            ldconfig.report(running.wait(), job.program)
             log.info("ldconfig done")
         if not pinned.alive():
             raise NvcError("container", f"container process {plan.pid} exited during configuration")
     finally:
         for fd in fds:
             os.close(fd)
+        if job is not None:
+            job.close()
         pinned.close()
+
+
+def _placed(reply: dict, rootfs: str) -> None:
+    for w in reply["warnings"]:
+        log.warning(w)
+    log.info(f"placed {reply['done']} actions in {rootfs}")
+
+
+def _place_then_ldconfig(mntns_fd: int, rootfs: str, actions: list[dict], owner: list[int], held: list[int],
+                         job: ldconfig.Job | None) -> dict:
+    """Worker body: the plan's entries and mounts, then (if the plan has it) ldconfig, as a
+    second stage of the same worker, so its failures still read as ldconfig's."""
+    placed = mounter.place(mntns_fd, rootfs, actions, owner)
+    if job is None:
+        return placed
+    worker.stage("ldconfig", "ldcache", placed)
+    # The sandbox's init inherits every fd until it arranges its own: the namespace and the
+    # detached mounts (attached now) go first.
+    for fd in (mntns_fd, *held):
+        os.close(fd)
+    if tuple(owner) != (0, 0):
+        # place() created entries as the owner; the sandbox opens and locks the rootfs by path
+        # as root, as a worker of its own would (an owner's fsuid drops the file capabilities,
+        # and a path to the rootfs through a root-only directory would then be refused).
+        from .ns import set_fs_identity
+
+        set_fs_identity(os.geteuid(), os.getegid())
+    return ldconfig.sandbox(job)
 
 
 def _left(end: float, step: str) -> float:

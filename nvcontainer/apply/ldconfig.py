@@ -44,6 +44,7 @@ import resource
 import signal
 import stat
 import struct
+from dataclasses import dataclass
 
 import prctl
 
@@ -106,39 +107,68 @@ def run_ldconfig(
     ``directories`` are container paths that are always scanned, so their SONAME links get
     created. ``uid``/``gid`` are the host ids the process runs as: those owning the rootfs's
     ``/etc`` (0 for a normal image), since with no capabilities only the owner may write there.
+
+    A worker of its own enters the namespace. A caller that already has a worker in it (the
+    mount worker of :mod:`.execute`) uses :func:`prepare_run`, :func:`sandbox` in that worker,
+    and :func:`report` instead, and saves a fork and a ``setns``.
     """
+    job = prepare_run(rootfs, directories, ldconfig_host_path=ldconfig_host_path, uid=uid, gid=gid)
+    try:
+        result = worker.run(
+            _enter_and_sandbox,
+            mntns_fd,
+            job,
+            deadline=deadline,
+            name="ldconfig",
+            keep_fds=(mntns_fd, job.exe),
+            category="ldcache",
+        )
+    finally:
+        job.close()
+    report(result, job.program)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One ldconfig run, checked and opened in the host process: what the sandbox needs and
+    nothing it would have to look up itself."""
+
+    rootfs: str
+    argv: list[str]
+    exe: int              # the sealed memfd (a worker must keep this fd)
+    uid: int
+    gid: int
+    cap_last: int
+    program: str          # the host path, for messages
+    kept: bool            # exe is the process's kept copy, not to be closed
+
+    def close(self) -> None:
+        if not self.kept:
+            os.close(self.exe)
+
+
+def prepare_run(rootfs: str, directories: list[str], *, ldconfig_host_path: str = "/sbin/ldconfig",
+                uid: int = 0, gid: int = 0) -> Job:
+    """Check the arguments and open the program, in the host process: after a worker's
+    ``setns`` "/sbin/ldconfig" would name the image's file. The caller closes the job."""
     argv = ldconfig_argv(directories)
     if not rootfs.startswith("/") or "\0" in rootfs:
         raise NvcError("ldcache", f"invalid rootfs path: {escape(rootfs)}")
     for value in (uid, gid):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ID:
             raise NvcError("ldcache", f"invalid user or group id: {escape(value)}")
-    # The program is opened here, in the host mount namespace: after the worker's setns
-    # "/sbin/ldconfig" would name the image's file.
     cap_last = _cap_last_cap()
     exe, kept = _program(ldconfig_host_path)
     ns.load()  # in this process, so a server's children and our worker inherit it
-    try:
-        result = worker.run(
-            _sandbox,
-            mntns_fd,
-            rootfs,
-            argv,
-            exe,
-            uid,
-            gid,
-            cap_last,
-            deadline=deadline,
-            name="ldconfig",
-            keep_fds=(mntns_fd, exe),
-            category="ldcache",
-        )
-    finally:
-        if not kept:
-            os.close(exe)
+    return Job(rootfs, argv, exe, uid, gid, cap_last, ldconfig_host_path, kept)
+
+
+def report(result: dict, program: str) -> None:
+    """In the host process, after the sandbox's worker answered: its output to the debug log,
+    and ``NvcError("ldcache", ...)`` if the sandbox or ldconfig failed."""
     for line in result["output"].splitlines():
         log.info(f"ldconfig: {line}")
-    problem = failure_message(result, ldconfig_host_path)
+    problem = failure_message(result, program)
     if problem:
         raise NvcError("ldcache", problem)
 
@@ -397,13 +427,28 @@ def _cap_last_cap() -> int:
 # --- worker side (forked; runs in the host mount namespace until setns) ----------------------
 
 
-def _sandbox(mntns_fd: int, rootfs: str, argv: list[str], exe: int, uid: int, gid: int, cap_last: int) -> dict:
-    # Enter the container's mount namespace, then leave it again for a private copy, so the
-    # pivot and mounts below never show in the container (or, through shared propagation, on
-    # the host). New PID/net/IPC/UTS namespaces apply to the child forked next.
+def _enter_and_sandbox(mntns_fd: int, job: Job) -> dict:
+    """:func:`run_ldconfig`'s worker: into the container's mount namespace, then the sandbox."""
     try:
         ns.setns_mount(mntns_fd)
         os.close(mntns_fd)
+    except OSError as exc:
+        raise NvcError("ldcache", f"cannot create the ldconfig sandbox: {exc.strerror}") from None
+    return sandbox(job)
+
+
+def sandbox(job: Job) -> dict:
+    """In a worker that is in the container's mount namespace and holds ``job.exe``: run
+    ldconfig in its sandbox and return what :func:`report` takes. The worker must hold no other
+    fd of the host's (the sandbox's init inherits everything until it arranges its fds) and
+    must act as root on the filesystem (fsuid 0: the rootfs is opened and locked by path).
+
+    Leaves the container's namespace for a private copy of it first, so the pivot and mounts
+    below never show in the container (or, through shared propagation, on the host). New
+    PID/net/IPC/UTS namespaces apply to the child forked next.
+    """
+    rootfs, exe = job.rootfs, job.exe
+    try:
         ns.unshare(SANDBOX_NAMESPACES)
     except OSError as exc:
         raise NvcError("ldcache", f"cannot create the ldconfig sandbox: {exc.strerror}") from None
@@ -417,7 +462,7 @@ def _sandbox(mntns_fd: int, rootfs: str, argv: list[str], exe: int, uid: int, gi
     pid = os.fork()
     if pid == 0:
         try:
-            _sandbox_init(rootfs, argv, exe, uid, gid, cap_last, stdin_r, out_w, err_w)
+            _sandbox_init(rootfs, job.argv, exe, job.uid, job.gid, job.cap_last, stdin_r, out_w, err_w)
         finally:
             os._exit(126)  # only reached if execve did not happen
     for fd in (exe, stdin_r, out_w, err_w):

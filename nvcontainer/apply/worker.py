@@ -16,6 +16,13 @@ what it needs to stay in charge:
 * the answer is a bounded JSON document on a pipe, so a misbehaving child cannot flood or
   confuse the parent, and errors keep their category and one-line detail.
 
+:func:`start` forks and returns at once, so the parent can do work of its own meanwhile;
+:meth:`Worker.wait` then collects the answer under the same deadline, counted from the fork.
+One worker may do two steps in a row (mounts, then the ldconfig sandbox): :func:`stage` tells
+the parent the first one succeeded (:meth:`Worker.next_stage` returns then, and the hook writes
+the devices cgroup while the second step runs), and the worker's failures from then on carry
+the second step's name and category, as a worker of its own would.
+
 The parent never starts threads: ``fork()`` in a threaded Python can deadlock on locks held by
 other threads, and ``setns(CLONE_NEWNS)`` in the child would fail anyway.
 """
@@ -61,6 +68,26 @@ def run(
     comes back with its own category; any other failure becomes ``NvcError(category, ...)``,
     a timeout ``NvcError("timeout", ...)``.
     """
+    return start(fn, *args, deadline=deadline, name=name, keep_fds=keep_fds, category=category,
+                 max_reply=max_reply).wait()
+
+
+def start(
+    fn: Callable[..., object],
+    *args: object,
+    deadline: float,
+    name: str,
+    keep_fds: Iterable[int] = (),
+    category: str = "internal",
+    max_reply: int = MAX_REPLY,
+) -> "Worker":
+    """:func:`run` in two halves, so the caller can do its own work while the child runs: the
+    child is forked now and its deadline counts from now; :meth:`Worker.wait` collects the
+    answer, :meth:`Worker.kill` ends the child and everything it started. A started worker
+    must get one of the two (a caller whose own work fails calls ``kill`` before it lets the
+    error go: a worker left running would go on changing a container nobody configures any
+    more). The child is the same as :func:`run`'s in every other respect.
+    """
     if threading.active_count() > 1:
         raise NvcError("internal", f"{name}: refusing to fork a worker from a multi-threaded process")
     keep = sorted({int(fd) for fd in keep_fds})
@@ -81,56 +108,149 @@ def run(
     except OSError:
         pass
     try:
-        data, status = _wait(pid, rfd, deadline, max_reply, name, category)
-    finally:
+        pidfd = os.pidfd_open(pid)
+    except OSError as exc:
+        _kill_group(pid)
+        os.waitpid(pid, 0)
         os.close(rfd)
-    return _decode(data, status, name, category)
+        raise NvcError(category, f"{name}: cannot watch worker: {exc.strerror}") from None
+    return Worker(pid, pidfd, rfd, deadline, name, category, max_reply)
 
 
 # --- parent side -----------------------------------------------------------------------------
 
 
-def _wait(pid: int, rfd: int, deadline: float, max_reply: int, name: str, category: str) -> tuple[bytes, int]:
-    """Collect the reply and the exit status; kill the whole process group on any way out."""
-    end = time.monotonic() + deadline
-    pidfd = os.pidfd_open(pid)
-    data = bytearray()
-    eof = exited = False
-    try:
-        while not exited:
-            left = end - time.monotonic()
-            if left <= 0:
-                raise NvcError("timeout", f"{name}: timed out after {deadline:g}s")
-            ready, _, _ = select.select([pidfd] if eof else [pidfd, rfd], [], [], left)
+class Worker:
+    """A forked worker, from :func:`start` until :meth:`wait` or :meth:`kill` has reaped it.
+
+    ``name`` and ``category`` are what its errors say; a child that calls :func:`stage` changes
+    both (one worker can do two steps, and each failure must still name its own step).
+    """
+
+    def __init__(self, pid: int, pidfd: int, rfd: int, deadline: float, name: str, category: str, max_reply: int):
+        self.pid = pid
+        self.name = name
+        self.category = category
+        self._pidfd = pidfd
+        self._rfd = rfd
+        self._deadline = deadline
+        self._end = time.monotonic() + deadline
+        self._max_reply = max_reply
+        self._open = True
+        self._data = bytearray()       # read, not yet taken apart
+        self._total = 0                # bytes read in all
+        self._eof = False
+        self._exited = False
+        self._notes: list[object] = []  # of stage frames read, not yet handed out
+
+    def next_stage(self) -> object:
+        """Wait until the child reports its next :func:`stage`, and return that stage's note.
+        The caller can then act on the first step's outcome while the child does the second.
+        A child that ends instead gives its answer: its error is raised as :meth:`wait` would;
+        an answer without the stage is an error too. The group is killed on any error."""
+        self._check_open()
+        try:
+            self._pump(None, until_stage=True)
+        except BaseException:
+            self.kill()
+            raise
+        if self._notes:
+            return self._notes.pop(0)
+        self.wait()
+        raise NvcError(self.category, f"{self.name}: worker ended before its next step")
+
+    def wait(self, on_stage: Callable[[object], None] | None = None) -> object:
+        """The child's answer, as :func:`run` returns it (or raises). ``on_stage(note)`` is
+        called, in this process, for every :func:`stage` the child reports that
+        :meth:`next_stage` did not return, as soon as it is read. The whole process group is
+        killed on any way out."""
+        self._check_open()
+        try:
+            self._pump(on_stage, until_stage=False)
+            status = self._finish(on_stage)
+        except BaseException:
+            self.kill()
+            raise
+        self._close()
+        return _decode(bytes(self._data), status, self.name, self.category)
+
+    def kill(self) -> None:
+        """Kill the child and everything it started, and reap it. Safe to call more than once."""
+        if not self._open:
+            return
+        try:
+            _kill_group(self.pid)
+            _reap(self.pid, self._pidfd)
+        finally:
+            self._close()
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise NvcError("internal", f"{self.name}: worker already collected")
+
+    def _close(self) -> None:
+        if self._open:
+            self._open = False
+            os.close(self._rfd)
+            os.close(self._pidfd)
+
+    def _pump(self, on_stage, *, until_stage: bool) -> None:
+        """Read until the child has exited or, with ``until_stage``, a stage note is waiting."""
+        pidfd, rfd = self._pidfd, self._rfd
+        while not self._exited and not (until_stage and self._notes):
+            # Past the deadline (the caller may have been busy with its own work meanwhile),
+            # one look at what is there still comes first: a stage frame already written says
+            # which step the timeout hit.
+            left = self._end - time.monotonic()
+            ready, _, _ = select.select([pidfd] if self._eof else [pidfd, rfd], [], [], max(left, 0))
             if rfd in ready:
                 chunk = os.read(rfd, 65536)
-                eof = not chunk
-                data += chunk
+                self._eof = not chunk
+                self._take(chunk, on_stage)
             if pidfd in ready:
-                exited = True
-            if len(data) > max_reply:
-                raise NvcError(category, f"{name}: reply larger than {max_reply} bytes")
+                self._exited = True
+            elif left <= 0 and not (until_stage and self._notes):
+                raise NvcError("timeout", f"{self.name}: timed out after {self._deadline:g}s")
+
+    def _finish(self, on_stage) -> int:
+        """After the child exited: what is left in the pipe, and the exit status (reaped)."""
+        pid, rfd = self.pid, self._rfd
         # The child is a zombie now, so its PID (and with it the group id) cannot be reused yet:
         # killing the group here reaches only processes the child left behind.
         _kill_group(pid)
-        if not eof:
+        if not self._eof:
             # Everything the child wrote is in the pipe; what is still open is held by a
             # leftover that was just killed, so read what is there without waiting for EOF.
             os.set_blocking(rfd, False)
             try:
-                while len(data) <= max_reply and (chunk := os.read(rfd, 65536)):
-                    data += chunk
+                while self._total <= self._max_reply and (chunk := os.read(rfd, 65536)):
+                    self._take(chunk, on_stage)
             except BlockingIOError:
                 pass
-            if len(data) > max_reply:
-                raise NvcError(category, f"{name}: reply larger than {max_reply} bytes")
-        return bytes(data), _reap(pid, pidfd)
-    except BaseException:
-        _kill_group(pid)
-        _reap(pid, pidfd)
-        raise
-    finally:
-        os.close(pidfd)
+        return _reap(pid, self._pidfd)
+
+    def _take(self, chunk: bytes, on_stage) -> None:
+        """Add what was read; act on the complete stage frames at the start. The final reply
+        is JSON without a newline, so a line is always a stage frame."""
+        self._total += len(chunk)
+        if self._total > self._max_reply:
+            raise NvcError(self.category, f"{self.name}: reply larger than {self._max_reply} bytes")
+        data = self._data
+        data += chunk
+        while (cut := data.find(b"\n")) >= 0:
+            try:
+                frame = json.loads(data[:cut])
+            except (ValueError, RecursionError):
+                frame = None
+            step = frame.get("stage") if isinstance(frame, dict) else None
+            if not (isinstance(step, list) and len(step) == 2 and all(isinstance(part, str) for part in step)):
+                raise NvcError(self.category, f"{self.name}: worker sent a garbled reply")
+            del data[:cut + 1]
+            self.name, self.category = _one_line(step[0], 200), _one_line(step[1], 40)
+            self._notes.append(frame.get("note"))
+        if on_stage is not None:
+            while self._notes:
+                on_stage(self._notes.pop(0))
 
 
 def _kill_group(pid: int) -> None:
@@ -190,27 +310,61 @@ def _signame(signo: int) -> str:
 # --- child side ------------------------------------------------------------------------------
 
 
+class _Here:
+    """The running worker's own state, in the child only: where its reply goes, what its
+    errors are called now, and how much of the reply budget stage frames have used."""
+
+    def __init__(self, wfd: int, name: str, category: str, max_reply: int):
+        self.wfd, self.name, self.category, self.max_reply, self.sent = wfd, name, category, max_reply, 0
+
+    def send(self, data: bytes) -> None:
+        self.sent += len(data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.wfd, view):]
+
+
+_here: _Here | None = None
+
+
+def stage(name: str, category: str, note: object = None) -> None:
+    """In a worker's ``fn``: the first step is done and the next begins. From now on the
+    worker's failures (its unexpected exceptions, a timeout, a death by signal) are named
+    ``name`` and have ``category``, as if a worker of its own did that step; ``note``
+    (JSON data) reaches the parent's ``on_stage`` at once, so the parent can report the first
+    step while the second runs. It counts against the reply's size limit."""
+    here = _here
+    if here is None:
+        raise RuntimeError("worker.stage() outside a worker")
+    frame = json.dumps({"stage": [name, category], "note": note}, allow_nan=False).encode() + b"\n"
+    if here.sent + len(frame) > here.max_reply:
+        raise NvcError(here.category, f"{here.name}: reply larger than {here.max_reply} bytes")
+    here.send(frame)
+    here.name, here.category = name, category
+
+
 def _child(parent: int, fn, args, keep: list[int], wfd: int, max_reply: int, category: str, name: str):
     """Body of the forked child; ends in ``os._exit`` whatever happens, so control never
     returns into the parent's stack (which would run the rest of the hook twice)."""
+    global _here
     code = 0
     try:
+        here = _here = _Here(wfd, name, category, max_reply)
         try:
-            wfd = _become_worker(parent, keep, wfd)
+            here.wfd = _become_worker(parent, keep, wfd)
             reply = {"ok": fn(*args)}
         except NvcError as exc:
             reply, code = {"error": [exc.category, exc.detail]}, 1
         except BaseException as exc:  # anything at all must come back as data, not a traceback
-            reply, code = {"error": [category, f"{name}: {type(exc).__name__}: {escape(exc)}"]}, 1
+            reply, code = {"error": [here.category, f"{here.name}: {type(exc).__name__}: {escape(exc)}"]}, 1
+        category, name = here.category, here.name
         try:
             data = json.dumps(reply, allow_nan=False).encode()
         except (TypeError, ValueError):
             data, code = json.dumps({"error": [category, f"{name}: worker result is not JSON data"]}).encode(), 1
-        if len(data) > max_reply:
+        if here.sent + len(data) > max_reply:
             data, code = json.dumps({"error": [category, f"{name}: reply larger than {max_reply} bytes"]}).encode(), 1
-        view = memoryview(data)
-        while view:
-            view = view[os.write(wfd, view):]
+        here.send(data)
     finally:
         os._exit(code)
 
