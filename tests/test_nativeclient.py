@@ -9,6 +9,7 @@ in tests/test_serve.py, with both clients.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import stat
 import struct
@@ -47,11 +48,16 @@ class Recorder:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.bind(str(path))
         self.sock.listen(8)
+        self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
         for reply in self.replies:
+            while not self.stop.is_set() and not select.select([self.sock], [], [], 0.02)[0]:
+                pass
+            if self.stop.is_set():
+                return
             conn, _ = self.sock.accept()
             with conn:
                 data, ancillary, flags, _ = conn.recvmsg(1 << 17, socket.CMSG_SPACE(64))
@@ -68,6 +74,11 @@ class Recorder:
                     conn.send(reply)
 
     def close(self) -> None:
+        """Ends the thread too: a thread left in the test process would make every later test
+        that forks a worker refuse to (a worker is never forked from a threaded process)."""
+        self.stop.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
         self.sock.close()
 
 
@@ -83,7 +94,7 @@ def test_both_clients_send_the_same_request(tmp_path, native):
     argv = ["--socket", str(sock), "--root", "/r w", "--debug=/tmp/é.log", "-u", "7:8", "prestart"]
     env = {"PATH": "/sbin:/bin", "CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps", "LD_PRELOAD": "/evil.so", "HOME": "/root"}
     procs = [run([*prog, *argv], cwd=str(tmp_path), env=env, umask=0o027) for prog in (PY_CLIENT, [native])]
-    rec.thread.join(10)
+    rec.thread.join(10)   # both answered: the thread ends by itself
     rec.close()
     assert [p.returncode for p in procs] == [0, 0], [p.stderr for p in procs]
     py, nat = rec.requests
