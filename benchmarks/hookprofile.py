@@ -77,7 +77,7 @@ def print_steps(logs: list[Path], runs: list[dict]) -> None:
     print(logs[-1].read_text())
 
 
-def served(ws: workspace.Workspace, machine, base: Path, runs: int) -> int:
+def served(ws: workspace.Workspace, machine, base: Path, runs: int, server_args: tuple = ()) -> int:
     """The served hook's steps: every container run in one world, beside its server."""
     from .run import run_world, server_job
 
@@ -87,7 +87,9 @@ def served(ws: workspace.Workspace, machine, base: Path, runs: int) -> int:
     logs = [base / f"debug-{i}.log" for i in range(runs)]
     entries = [ws.probe_entry(out, client)] * 2 + [ws.probe_entry(out, [*client[:-1], "--debug", str(log), "prestart"])
                                                    for log in logs]
-    job = {"server": server_job(ws, machine, "profile", socket),
+    server = server_job(ws, machine, "profile", socket)
+    server["argv"] += list(server_args)
+    job = {"server": server,
            "steps": [{"kind": "served_check", "name": "check", "arms": {"served": [str(ws.bundle([entries[0]]))]}},
                      {"kind": "interleaved", "name": "runs",
                       "arms": {"served": [str(ws.bundle([entry])) for entry in entries]}}]}
@@ -113,13 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=10, help="logged runs for the step medians")
     parser.add_argument("--served", action="store_true",
                         help="the served hook (client + resident nvcontainer serve): steps and debug log only")
+    parser.add_argument("--no-spare", action="store_true", help="with --served: the server forks per request")
     args = parser.parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="nvc-hookprof-"))
     try:
         ws = workspace.create(base)
         machine = ws.machine("fast", FakeSpec(gpus=2))
         if args.served:
-            return served(ws, machine, base, args.runs)
+            return served(ws, machine, base, args.runs, ("--no-spare",) if args.no_spare else ())
         out, err, prof = (base / n for n in ("probe.jsonl", "stderr.txt", "hook.prof"))
         hook = [str(ws.hook), "--root", str(machine.root), "prestart"]
         warm = ws.probe_entry(out, hook)

@@ -19,10 +19,10 @@ What keeps it from being a new way in:
 * each request runs in a fresh child (a crash or a hang there is that request's alone), which
   is killed within ``CLIENT_GONE_GRACE`` of its client going away: runtimes SIGKILL only the
   hook on their timeout, and the child's workers die with it (``PR_SET_PDEATHSIG``);
-* that child is forked before its request comes (a *spare*), while the server is idle: it makes
-  its memory its own (:mod:`.prewarm`), then takes the next connection itself and hands the
-  server a copy so the hang-up watch above still holds. It serves one request only, like any
-  child; the time it saves is the copy-on-write faults a fresh child would take on the way;
+* that child is forked before its request comes (a *spare*); once no request is in flight it
+  makes its memory its own (:mod:`.prewarm`), then takes the next connection itself and hands
+  the server a copy so the hang-up watch above still holds. It serves one request only, like
+  any child; the time it saves is the copy-on-write faults a fresh child would take on the way;
 * this process stays single-threaded, takes nothing from the client's environment but the two
   variables the hook reads (and its umask), and bounds the request (64 KiB, four fds).
 """
@@ -56,7 +56,7 @@ def preload() -> None:
     too: a node with a config.toml would otherwise import it in every request)."""
     import tomllib  # noqa: F401
 
-    from . import config, configure, hook, oci, request, require  # noqa: F401
+    from . import config, configure, hook, oci, prewarm, request, require  # noqa: F401
     from .apply import execute, ldconfig, mounter, pin, worker  # noqa: F401
     from .cgroups import bpf, locate, rules, v1, v2  # noqa: F401
     from .inventory import cache  # noqa: F401
@@ -189,13 +189,24 @@ class _Request:
 
 
 class _Spare:
-    """The next request's child, forked ahead. ``notify``: where it hands over a copy of the
-    connection it took, after which it is an ordinary request child."""
+    """The next request's child, forked ahead. ``notify``: where this process tells it that
+    nothing else runs (it may warm up now), and where it hands over a copy of the connection it
+    took, after which it is an ordinary request child. ``told``: it was told."""
 
-    __slots__ = ("pid", "pidfd", "notify")
+    __slots__ = ("pid", "pidfd", "notify", "told")
 
     def __init__(self, pid: int, pidfd: int, notify: socket.socket):
-        self.pid, self.pidfd, self.notify = pid, pidfd, notify
+        self.pid, self.pidfd, self.notify, self.told = pid, pidfd, notify, False
+
+    def idle(self) -> None:
+        """No request is in flight: the warm-up competes with nobody for the CPUs now (one
+        started beside a request would slow that very request down)."""
+        if not self.told:
+            self.told = True
+            try:
+                self.notify.send(b"w")
+            except OSError:
+                pass   # it is gone; its pidfd says so next
 
 
 def serve(path: str, cfg, *, ready=None, spare: bool = True) -> int:
@@ -246,6 +257,8 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
         while not stopping:
             if spare is None and use_spare and len(children) < MAX_CHILDREN - 1:
                 spare = _fork_spare(sock)
+            if spare is not None and not children:
+                spare.idle()
             poller = select.poll()
             poller.register(wake_r, select.POLLIN)
             if spare is not None:   # the spare accepts; this process does only without one
@@ -397,9 +410,14 @@ def _spare_child(sock: socket.socket, notify: socket.socket) -> int:
     def client_waiting() -> bool:
         return bool(select.select([sock], [], [], 0)[0])
 
-    prewarm.own_pages(client_waiting)
+    listening = [sock, notify]
     while True:
-        select.select([sock], [], [])   # the server going away kills this child (PDEATHSIG)
+        ready = select.select(listening, [], [])[0]   # the server going away kills this child (PDEATHSIG)
+        if notify in ready:
+            listening = [sock]       # one word only: warm up now, the server is idle
+            if notify.recv(1) == b"w":
+                prewarm.own_pages(client_waiting)
+            continue
         try:
             conn, _ = sock.accept()
             break
