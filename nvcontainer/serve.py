@@ -54,6 +54,9 @@ _NAMESPACES = ("mnt", "pid", "cgroup", "user")
 def preload() -> None:
     """Import everything a GPU request touches, so that no child pays for an import (tomllib
     too: a node with a config.toml would otherwise import it in every request)."""
+    import array  # noqa: F401   (these three: handing a job to a standby worker)
+    import pickle  # noqa: F401
+    import socket as _socket  # noqa: F401
     import tomllib  # noqa: F401
 
     from . import config, configure, hook, oci, prewarm, request, require  # noqa: F401
@@ -403,6 +406,7 @@ def _spare_child(sock: socket.socket, notify: socket.socket) -> int:
     import prctl
 
     from . import prewarm
+    from .apply import worker
 
     _become_request_child()
     prctl.set_name("nvc-spare")
@@ -416,6 +420,9 @@ def _spare_child(sock: socket.socket, notify: socket.socket) -> int:
         if notify in ready:
             listening = [sock]       # one word only: warm up now, the server is idle
             if notify.recv(1) == b"w":
+                # The request's worker first, forked and warming itself ahead too (after this
+                # process warmed up, a fork would share and write-protect its pages again).
+                worker.standby()
                 prewarm.own_pages(client_waiting)
             continue
         try:

@@ -55,6 +55,7 @@ DRIVER = textwrap.dedent(r"""
         return found
     for step in steps:
         spare_pids = spares()
+        time.sleep(step.get("pause", 0))
         started = time.monotonic()
         env = dict(os.environ, **step.get("env", {}))
         res = subprocess.run(step["argv"], input=step.get("stdin", ""), capture_output=True, text=True, timeout=180,
@@ -438,7 +439,8 @@ def test_runtime_starts_a_gpu_container_through_the_server(fake_machine, tmp_pat
     if runtime != "runc":
         run = ["sh", "-c", rt.V1_ONLY_WORLD, "sh", *run]
     delete = [runtime, "--root", str(state_dir), "delete", "-f", bundle.name]
-    script_steps = [{"argv": run}, {"argv": delete}]
+    # the pause: time for the idle server's spare to fork and warm its standby worker
+    script_steps = [{"argv": run, "pause": 0.5}, {"argv": delete}]
     out = in_world(fake_machine, tmp_path, script_steps, sock)
     res = out["steps"][0]
     assert res["rc"] == 0, res["stderr"]
@@ -446,7 +448,8 @@ def test_runtime_starts_a_gpu_container_through_the_server(fake_machine, tmp_pat
     assert facts["OPEN0"] == ["cat: can't open '/dev/nvidia0': No such device or address"]   # cgroup allows it
     assert "No such file" in facts["NV1"][0]
     assert facts["LIBS"] == ["2"] and facts["DONE"] == ["ok"]
-    assert SERVED in log.read_text()
+    text = log.read_text()
+    assert SERVED in text and "mount worker: handed to the standby worker, pid " in text
     assert out["requests"] == [] and out["server_rc"] == 0
 
 

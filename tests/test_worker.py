@@ -330,3 +330,92 @@ def test_next_stage_times_out_under_the_first_name():
         running.next_stage()
     with pytest.raises(ChildProcessError):
         os.waitpid(running.pid, os.WNOHANG)
+
+
+# The standby: a worker forked ahead of its job (nvcontainer serve's spare child forks one).
+
+@pytest.fixture
+def no_standby_left():
+    yield
+    worker.discard_standby()
+
+
+def job_facts(fd, other):
+    umask = os.umask(0)
+    os.umask(umask)
+    try:   # the number may be taken by the worker's own reply pipe, never by the parent's file
+        other_target = os.readlink(f"/proc/self/fd/{other}")
+    except OSError:
+        other_target = "closed"
+    return {"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "read": read_fd(fd),
+            "other": other_target, "cwd": os.getcwd(), "umask": umask, "env": os.environ.get("NVC_STANDBY_TEST"),
+            "stdio": stdio_targets()}
+
+
+def test_a_standby_takes_the_next_job_as_a_fork_would_have(tmp_path, monkeypatch, no_standby_left):
+    """It was forked before the fds, the directory, the umask and the variable below existed:
+    the job brings them, onto the same fd numbers, and nothing else."""
+    assert worker.standby()
+    standby_pid = worker._standby.pid
+    assert not worker.standby()   # one at a time
+    (tmp_path / "kept").write_text("kept file")
+    kept = os.open(tmp_path / "kept", os.O_RDONLY)
+    other = os.open(tmp_path / "kept", os.O_RDONLY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NVC_STANDBY_TEST", "from the parent")
+    old_umask = os.umask(0o027)
+    try:
+        reply = worker.run(job_facts, kept, other, deadline=10, name="standby", keep_fds=[kept])
+    finally:
+        os.umask(old_umask)
+        os.close(kept)
+        os.close(other)
+    assert reply["pid"] == standby_pid and reply["ppid"] == os.getpid() and reply["pgid"] == standby_pid
+    assert reply["read"] == "kept file" and reply["other"] != str(tmp_path / "kept")
+    assert (reply["cwd"], reply["umask"], reply["env"]) == (str(tmp_path), 0o027, "from the parent")
+    assert reply["stdio"] == ["/dev/null"] * 3
+    assert worker._standby is None and gone(standby_pid)
+    # the next one is forked again
+    assert worker.run(add_and_report, 1, 2, deadline=5, name="add")["pid"] != standby_pid
+
+
+def test_a_job_the_standby_cannot_take_goes_to_a_forked_worker(no_standby_left):
+    assert worker.standby()
+    standby_pid = worker._standby.pid
+    local = lambda: os.getpid()   # noqa: E731 (not picklable, so it cannot be handed over)
+    pid = worker.run(local, deadline=5, name="lambda")
+    assert pid not in (standby_pid, os.getpid())
+    assert gone(standby_pid)
+
+
+def test_a_standby_job_keeps_the_deadline_and_the_group_kill(tmp_path, no_standby_left):
+    assert worker.standby()
+    pidfile = tmp_path / "grandchild"
+    with pytest.raises(NvcError, match="^timeout error: hang: timed out after 1s$"):
+        worker.run(hang_with_grandchild, str(pidfile), deadline=1.0, name="hang")
+    assert gone(int(wait_for_file(pidfile)))
+
+
+def test_a_standby_dies_with_its_parent(tmp_path):
+    out = tmp_path / "standby"
+    child = os.fork()
+    if child == 0:
+        try:
+            worker.standby()
+            with open(out, "w") as f:
+                f.write(f"{worker._standby.pid}\n")
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    assert gone(int(wait_for_file(out)))
+
+
+def test_no_standby_from_a_threaded_process(no_standby_left):
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        assert not worker.standby() and worker._standby is None
+    finally:
+        stop.set()
+        t.join()

@@ -91,6 +91,12 @@ def start(
     if threading.active_count() > 1:
         raise NvcError("internal", f"{name}: refusing to fork a worker from a multi-threaded process")
     keep = sorted({int(fd) for fd in keep_fds})
+    global _standby
+    if _standby is not None:
+        ready, _standby = _standby, None
+        handed = ready.take(fn, args, keep, deadline, name, category, max_reply)
+        if handed is not None:
+            return handed
     parent = os.getpid()
     rfd, wfd = os.pipe()
     try:
@@ -346,12 +352,18 @@ def stage(name: str, category: str, note: object = None) -> None:
 def _child(parent: int, fn, args, keep: list[int], wfd: int, max_reply: int, category: str, name: str):
     """Body of the forked child; ends in ``os._exit`` whatever happens, so control never
     returns into the parent's stack (which would run the rest of the hook twice)."""
+    _answer(wfd, max_reply, category, name, lambda: (_become_worker(parent, keep, wfd), fn, args))
+
+
+def _answer(wfd: int, max_reply: int, category: str, name: str, setup):
+    """Run what ``setup()`` returns (the result fd, the function, its arguments) and write the
+    reply; ends in ``os._exit``. A failure of ``setup`` is the worker's failure."""
     global _here
     code = 0
     try:
         here = _here = _Here(wfd, name, category, max_reply)
         try:
-            here.wfd = _become_worker(parent, keep, wfd)
+            here.wfd, fn, args = setup()
             reply = {"ok": fn(*args)}
         except NvcError as exc:
             reply, code = {"error": [exc.category, exc.detail]}, 1
@@ -387,6 +399,172 @@ def _become_worker(parent: int, keep: list[int], wfd: int) -> int:
     _stdio_to_devnull(keep)
     close_fds_except([*keep, wfd])
     return wfd
+
+
+# --- the standby: a worker forked ahead of its job ------------------------------------------------
+#
+# ``nvcontainer serve`` forks each request's child ahead and lets it make its pages its own
+# while nothing else runs (nvcontainer/prewarm.py). The worker that child forks for the request
+# would share those pages again and take the same copy-on-write faults while the container
+# waits. So the spare forks its worker ahead too: the standby detaches from everything at once,
+# warms its own pages, and waits for one job on a socket pair only its parent holds. The job is
+# what :func:`start` would have forked with (function, arguments, the fds to keep, and the
+# parent's umask, working directory and environment, which a fork would have inherited); the
+# kept fds land on the numbers the parent had, so the arguments mean what they meant there.
+# From then on it is the same worker: same group, deadline from the hand-over, same reply.
+# A job that cannot be handed over (not picklable, too large) goes to a forked worker instead.
+
+MAX_JOB = 1 << 20
+MAX_JOB_FDS = 240        # the kernel takes at most 253 fds in one message
+
+
+class _Standby:
+    __slots__ = ("pid", "pidfd", "jobs", "rfd")
+
+    def __init__(self, pid: int, pidfd: int, jobs, rfd: int):   # jobs: a socket.socket
+        self.pid, self.pidfd, self.jobs, self.rfd = pid, pidfd, jobs, rfd
+
+    def take(self, fn, args, keep: list[int], deadline: float, name: str, category: str,
+             max_reply: int) -> "Worker | None":
+        import array
+        import pickle
+        import socket
+
+        cwd = None
+        try:
+            if len(keep) >= MAX_JOB_FDS:
+                raise ValueError("too many fds")
+            umask = os.umask(0o022)
+            os.umask(umask)
+            job = pickle.dumps({"fn": fn, "args": args, "keep": keep, "name": name, "category": category,
+                                "max_reply": max_reply, "umask": umask, "env": dict(os.environ)})
+            if len(job) > MAX_JOB:
+                raise ValueError("job too large")
+            cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            fds = array.array("i", [*keep, cwd])
+            self.jobs.sendmsg([job], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())])
+        except (OSError, ValueError, TypeError, AttributeError, pickle.PicklingError, RecursionError) as exc:
+            log.info(f"{name}: standby worker not used ({type(exc).__name__}): forking one")
+            self.jobs.close()
+            _kill_group(self.pid)
+            _reap(self.pid, self.pidfd)
+            os.close(self.pidfd)
+            os.close(self.rfd)
+            return None
+        finally:
+            if cwd is not None:
+                os.close(cwd)
+        self.jobs.close()
+        log.info(f"{name}: handed to the standby worker, pid {self.pid}")
+        return Worker(self.pid, self.pidfd, self.rfd, deadline, name, category, max_reply)
+
+
+_standby: _Standby | None = None
+
+
+def standby() -> bool:
+    """Fork the next worker now, for :func:`start` to hand its job to; False if there already
+    is one or it cannot be forked. For a process that knows it will start a worker soon and is
+    idle now (``nvcontainer serve``'s spare child); the standby dies with this process."""
+    import socket
+
+    global _standby
+    if _standby is not None or threading.active_count() > 1:
+        return False
+    parent = os.getpid()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    rfd, wfd = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        for end in (ours, theirs):
+            end.close()
+        os.close(rfd)
+        os.close(wfd)
+        return False
+    if pid == 0:
+        _standby_child(parent, theirs.fileno(), wfd)   # never returns
+    theirs.close()
+    os.close(wfd)
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        _kill_group(pid)
+        os.waitpid(pid, 0)
+        ours.close()
+        os.close(rfd)
+        return False
+    _standby = _Standby(pid, pidfd, ours, rfd)
+    return True
+
+
+def discard_standby() -> None:
+    """Kill and reap the standby, if there is one (its job will not come)."""
+    global _standby
+    if _standby is not None:
+        ready, _standby = _standby, None
+        ready.jobs.close()
+        _kill_group(ready.pid)
+        _reap(ready.pid, ready.pidfd)
+        os.close(ready.pidfd)
+        os.close(ready.rfd)
+
+
+def _standby_child(parent: int, jobs: int, wfd: int):
+    prctl.set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+    prctl.set_dumpable(False)
+    os.setpgid(0, 0)
+    gc.freeze()
+    log.close()
+    jobs, wfd = (_move_above(fd, 3) if fd < 3 else fd for fd in (jobs, wfd))
+    close_fds_except([jobs, wfd])   # nothing of the server's or the spare's stays here
+    from .. import prewarm
+
+    prewarm.own_pages(lambda: bool(select.select([jobs], [], [], 0)[0]))
+    _answer(wfd, MAX_REPLY, "internal", "standby worker", lambda: _install(jobs, wfd))
+
+
+def _install(jobs: int, wfd: int):
+    """Receive the job and become the worker :func:`start` would have forked for it."""
+    import array
+    import pickle
+    import socket
+
+    conn = socket.socket(fileno=jobs)
+    data, ancillary, flags, _ = conn.recvmsg(MAX_JOB + 1, socket.CMSG_SPACE(4 * MAX_JOB_FDS))
+    received = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
+    if not data:
+        os._exit(0)   # the parent went on without a job for us
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        raise NvcError("internal", "standby worker: job truncated")
+    job = pickle.loads(data)   # from our parent, over a socket pair nobody else holds
+    keep = job["keep"]
+    if len(received) != len(keep) + 1:
+        raise NvcError("internal", "standby worker: fds missing from the job")
+    here = _here
+    here.name, here.category, here.max_reply = job["name"], job["category"], job["max_reply"]
+    # Everything received moves above every number in use before the kept ones take theirs.
+    floor = max([*keep, wfd, jobs, 2]) + 1
+    wfd = _move_above(wfd, floor) if wfd in keep else wfd
+    moved = [_move_above(fd, floor) for fd in received]
+    for target, fd in zip(keep, moved):
+        os.dup2(fd, target, inheritable=False)
+    os.fchdir(moved[-1])
+    os.umask(job["umask"])
+    os.environ.clear()
+    os.environ.update(job["env"])
+    _stdio_to_devnull(keep)
+    close_fds_except([*keep, wfd])
+    return wfd, job["fn"], job["args"]
 
 
 def _move_above(fd: int, floor: int) -> int:
