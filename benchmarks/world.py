@@ -37,12 +37,59 @@ def timed(argv: list[str]) -> tuple[float, int, str]:
 
 
 def run_container(bundle: str) -> tuple[float, int, str]:
-    """``runc run`` of the bundle, timed; the container is deleted afterwards, untimed."""
+    """``runc run`` of the bundle, timed; the container is deleted afterwards, untimed. First the
+    world's server is let settle (:func:`settle`)."""
     name = os.path.basename(bundle)
+    settle()
     try:
         return timed(_runc("run", "--bundle", bundle, name))
     finally:
         subprocess.run(_runc("delete", "-f", name), capture_output=True)
+
+
+SETTLE_MAX = 1.0       # seconds
+SETTLE_QUIET = 0.02    # seconds without CPU use that count as settled
+
+
+def settle() -> float:
+    """Wait (untimed) until the world's server does nothing: after a served run it forks its next
+    spare and that warms itself (tens of ms of CPU, nvcontainer/serve.py), and whatever run came
+    next, of any arm, would share the CPUs with it. Settled means a spare is there (unless the
+    server runs without) and the server's whole process tree has used no CPU for
+    ``SETTLE_QUIET``. Returns the seconds waited."""
+    if SERVER is None or SERVER.proc is None or SERVER.proc.poll() is not None:
+        return 0.0
+    start = time.monotonic()
+    last, quiet_since = None, start
+    while time.monotonic() - start < SETTLE_MAX:
+        tree = [SERVER.proc.pid]
+        for pid in tree:
+            tree += _children(pid)
+        cpu = sum(_cpu_ns(pid) for pid in tree)
+        now = time.monotonic()
+        if cpu != last:
+            last, quiet_since = cpu, now
+        spare = SERVER.spare is False or any(_comm(pid) == "nvc-spare" for pid in tree)
+        if spare and now - quiet_since >= SETTLE_QUIET:
+            break
+        time.sleep(0.002)
+    return time.monotonic() - start
+
+
+def _cpu_ns(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def interleaved(step: dict) -> dict:
@@ -67,6 +114,7 @@ def interleaved(step: dict) -> dict:
 def concurrent(step: dict) -> dict:
     """All bundles started at once; each container's time is from its own spawn to its exit."""
     started, done, logs = {}, {}, {}
+    settle()
     for bundle in step["bundles"]:
         name = os.path.basename(bundle)
         log = os.open(os.path.join(bundle, "run.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -188,6 +236,7 @@ class Server:
 
     def __init__(self, spec: dict):
         self.argv, self.env, self.socket, self.log = spec["argv"], spec["env"], spec["socket"], spec["log"]
+        self.spare = "--no-spare" not in self.argv
         self.proc: subprocess.Popen | None = None
         self.record = {"ready_ms": [], "status": [], "stop_rc": [], "socket_left": [], "died": 0, "memory": None,
                        "children_cpu_ms": {}}

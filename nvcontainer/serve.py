@@ -46,6 +46,8 @@ from .errors import NvcError, escape
 MAX_CHILDREN = 256
 BACKLOG = 256
 MAX_SPARE_FAILURES = 3   # spares in a row that died without a request: stop forking them ahead
+SPARE_DELAY = 0.05       # idle seconds before the spare is forked: the runtime is still starting
+                         # the container that the last hook was for, and should have the CPUs
 REQUEST_TIMEOUT = 10.0   # for the request message to arrive after connect
 CLIENT_GONE_GRACE = 0.1  # seconds a child may take to exit after its client hung up
 _NAMESPACES = ("mnt", "pid", "cgroup", "user")
@@ -248,6 +250,7 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
     children: dict[int, _Request] = {}   # by pidfd
     spare: _Spare | None = None
     spare_failures = 0
+    idle_since: float | None = time.monotonic() - SPARE_DELAY   # nothing has run yet: fork one at once
     # Everything imported so far lives as long as the server: keep it out of the collector's
     # walks, here and in every child, whose pages then stay shared.
     gc.collect()
@@ -258,10 +261,22 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
         ready(status)
     try:
         while not stopping:
-            if spare is None and use_spare and len(children) < MAX_CHILDREN - 1:
-                spare = _fork_spare(sock)
-            if spare is not None and not children:
-                spare.idle()
+            # Only after a while idle: a fork (and the spare's warm-up) beside a request in
+            # flight, or beside the start it was for, takes CPU from them; until there is a
+            # spare, connections are accepted here, one fork each.
+            timeout = None
+            if children:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = time.monotonic()
+            if spare is None and use_spare and idle_since is not None:
+                wait = idle_since + SPARE_DELAY - time.monotonic()
+                if wait <= 0:
+                    spare = _fork_spare(sock)
+                    if spare is not None:
+                        spare.idle()
+                else:
+                    timeout = wait
             poller = select.poll()
             poller.register(wake_r, select.POLLIN)
             if spare is not None:   # the spare accepts; this process does only without one
@@ -270,7 +285,6 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
             elif len(children) < MAX_CHILDREN:
                 poller.register(sock.fileno(), select.POLLIN)
             by_conn = {}
-            timeout = None
             for pidfd, req in children.items():
                 poller.register(pidfd, select.POLLIN)
                 if req.gone is None:
