@@ -146,7 +146,12 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
     for label, script in ws.others.items():
         arms[f"hook-{label}"] = ([ws.hook_entry(fast, script)], workspace.CONTAINER_ENV)
         arms[f"hook-{label}-nogpu"] = ([ws.hook_entry(fast, script)], [])
+    # The client's own peak RSS: a child spawned by the (Python) probe reports the probe's peak
+    # too (the kernel keeps the larger of the pre- and post-exec figures), so GNU time, a small
+    # C program, spawns it and writes %M.
+    client_rss = base / "client-maxrss-kb.txt"
     probes = {"served": ws.client_argv(fast, sock_v1),
+              "served-rss": ["/usr/bin/time", "-a", "-o", str(client_rss), "-f", "%M", *ws.client_argv(fast, sock_v1)],
               "hook": [str(ws.hook), "--root", str(fast.root), "prestart"],
               "configure": [str(ws.cli), "--root", str(fast.root), "configure", "--pid", "{pid}", "--device", "0",
                             "--compute", "--utility", "{rootfs}"]}
@@ -192,6 +197,8 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
     if "probes" in parts:
         for arm in probes:
             results[f"probe-{arm}"] = probe_results(base / f"probe-{arm}.jsonl")
+        if client_rss.exists():
+            results["client-maxrss-kb"] = [int(line) for line in client_rss.read_text().split() if line.isdigit()]
 
     if "v2" in parts:
         served_v2 = ws.served_entry(fast, sock_v2)
@@ -322,14 +329,14 @@ def server_section(results: dict) -> tuple[list[str], dict]:
         lines.append(f"  concurrent-served: CPU of the server's children (requests and their workers), "
                      f"per request: {cpu / n:.1f} ms")
     runs = [r for r in checks.get("served-check", {}).get("served", []) if r["served"]]
-    client = results.get("probe-served", {}).get("maxrss_kb")
+    client = results.get("client-maxrss-kb") or results.get("probe-served", {}).get("maxrss_kb")
     inproc = results.get("probe-hook", {}).get("maxrss_kb")
     facts.update(client_rss_mib=_mib(max(client)) if client else None,
                  inprocess_rss_mib=_mib(max(inproc)) if inproc else None,
                  request_private_mib=_mib(max(r["private_kb"] for r in runs)) if runs else None,
                  request_child_hwm_mib=_mib(max(r["child_hwm_kb"] for r in runs)) if runs else None)
     lines.append("memory per container start, MiB (max over the runs)")
-    for label, key in (("hook client (served): peak RSS", "client_rss_mib"),
+    for label, key in (("hook client (served): peak RSS (GNU time's %M)", "client_rss_mib"),
                        ("served request: private memory of the server's child and its workers (sampled)",
                         "request_private_mib"),
                        ("served request: the server's child's VmHWM (counts pages it shares with the server)",
