@@ -20,6 +20,7 @@ from nvcontainer import log
 from nvcontainer.apply import execute
 from nvcontainer.errors import NvcError
 from nvcontainer.plan.model import Ldconfig, Mount, Plan, Symlink
+from tests.fixtures.namespaces import private_mount_sleeper
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="apply needs root")
 
@@ -68,12 +69,7 @@ def helper(tmp_path_factory) -> str:
 @pytest.fixture
 def container():
     """A process in a private mount namespace of its own; yields its PID."""
-    proc = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sleep", "300"])
-    own = os.readlink("/proc/self/ns/mnt")
-    end = time.monotonic() + 10
-    while os.readlink(f"/proc/{proc.pid}/ns/mnt") == own:
-        assert time.monotonic() < end, "unshare never entered its namespace"
-        time.sleep(0.01)
+    proc = private_mount_sleeper()
     yield proc.pid
     proc.kill()
     proc.wait()
@@ -187,7 +183,8 @@ def test_a_failing_cgroup_step_kills_and_reaps_the_worker_first(container, tmp_p
 
     def cgroup_step(plan, pinned, mountinfo_pid):
         wait_for(f"{rootfs}/started")
-        (worker,) = [pid for pid in children(os.getpid()) if pid != container]
+        # the one child with a child of its own (other tests may leave a zombie behind)
+        (worker,) = [pid for pid in children(os.getpid()) if pid != container and children(pid)]
         (sandbox,) = children(worker)
         seen["worker"], seen["sandbox"] = os.pidfd_open(worker), os.pidfd_open(sandbox)
         # what the sandbox can inherit from the worker: not the namespace, not the mounts' fds

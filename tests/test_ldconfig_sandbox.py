@@ -25,6 +25,7 @@ import pytest
 from nvcontainer.apply import ldconfig
 from nvcontainer.apply.ldconfig import run_ldconfig, static_elf_problem
 from nvcontainer.errors import NvcError
+from tests.fixtures.namespaces import private_mount_sleeper
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root")
 
@@ -116,12 +117,7 @@ def built(tmp_path_factory):
 @pytest.fixture(scope="module")
 def container():
     """A process in a private mount namespace; yields (pid, open fd of its mount namespace)."""
-    proc = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sleep", "300"])
-    own = os.readlink("/proc/self/ns/mnt")
-    end = time.monotonic() + 10
-    while os.readlink(f"/proc/{proc.pid}/ns/mnt") == own:
-        assert time.monotonic() < end, "unshare never entered its namespace"
-        time.sleep(0.01)
+    proc = private_mount_sleeper()
     fd = os.open(f"/proc/{proc.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     yield proc.pid, fd
     os.close(fd)

@@ -27,11 +27,9 @@ REPO = Path(__file__).resolve().parent.parent
 PY_CLIENT = [sys.executable, "-I", "-S", str(REPO / "nvcontainer" / "hookclient.py")]
 
 
-@pytest.fixture(scope="session")
-def native(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("native") / nativeclient.NAME)
-    nativeclient.build(path, sys.executable)
-    return path
+@pytest.fixture
+def native(native_client) -> str:
+    return native_client
 
 
 @pytest.fixture(params=["python", "native"])

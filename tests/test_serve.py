@@ -87,15 +87,6 @@ def client(sock: str, *args: str) -> list[str]:
     return [sys.executable, "-I", "-S", CLIENT, "--socket", sock, *args]
 
 
-@pytest.fixture(scope="module")
-def native_client(tmp_path_factory) -> str:
-    from nvcontainer import nativeclient
-
-    path = str(tmp_path_factory.mktemp("native") / nativeclient.NAME)
-    nativeclient.build(path, sys.executable)
-    return path
-
-
 @pytest.fixture(params=["python", "native"])
 def any_client(request, native_client):
     """Both registrations ``nvcontainer setup --serve`` writes: the Python client, and the
