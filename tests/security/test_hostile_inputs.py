@@ -318,8 +318,22 @@ def test_the_invariant_checks_notice_what_they_guard(host_sentinel, workdir):
     assert sec._own_mounts(host_sentinel) == before
 
     subprocess.run(["sh", "-c", "sleep 30 >/dev/null 2>&1 &"], check=True, timeout=RUN_SECONDS)
-    orphans = [p for p in sec.descendants() if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"sleep\0")]
+    # The orphan is reparented at once, but it may still be the shell's fork, not yet sleep:
+    # look again for a while (under load the exec came after the first look).
+    orphans: list[int] = []
+    for _ in range(200):
+        orphans = [p for p in sec.descendants() if _cmdline(p).startswith(b"sleep\0")]
+        if orphans:
+            break
+        time.sleep(0.01)
     assert orphans, "an orphan must come back to pytest, the child subreaper"
     for pid in orphans:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
