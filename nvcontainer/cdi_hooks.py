@@ -19,8 +19,8 @@ import time
 
 from . import log
 from .errors import NvcError, escape
+from .hook import PROG, Usage, usage_status
 
-PROG = "nvcontainer-hook"
 DEADLINE = 30.0
 MAX_LINKS = 4096
 MAX_PATH = 4096
@@ -44,27 +44,23 @@ SUBCOMMANDS = tuple(_OPTIONS)
 _MODIFY = re.compile(r"^(ModifyDeviceFiles:[ \t]*)1[ \t]*$", re.M)
 
 
-class _Usage(Exception):
-    pass
-
-
 def parse_args(argv: list[str]) -> tuple[str, dict]:
     """(subcommand, options); ``argv`` starts with the subcommand."""
     sub, args = argv[0], list(argv[1:])
     if sub not in _OPTIONS:
-        raise _Usage(f"unknown CDI hook {escape(sub, 80)} ({', '.join(SUBCOMMANDS)})")
+        raise Usage(f"unknown CDI hook {escape(sub, 80)} ({', '.join(SUBCOMMANDS)})")
     known = {"--debug": "debug", **_OPTIONS[sub]}
     opts: dict = {"links": [], "folders": []}
     while args:
         arg = args.pop(0)
         if arg in ("-h", "--help"):
-            raise _Usage("")
+            raise Usage("")
         name, eq, value = arg.partition("=")
         if name not in known:
-            raise _Usage(f"{sub}: unknown option {escape(arg, 80)}")
+            raise Usage(f"{sub}: unknown option {escape(arg, 80)}")
         if not eq:
             if not args:
-                raise _Usage(f"{sub}: {name} needs a value")
+                raise Usage(f"{sub}: {name} needs a value")
             value = args.pop(0)
         key = known[name]
         if key in _REPEATABLE:
@@ -72,9 +68,9 @@ def parse_args(argv: list[str]) -> tuple[str, dict]:
         else:
             opts[key] = value
     if sub == "create-symlinks" and not opts["links"]:
-        raise _Usage("create-symlinks: at least one --link TARGET::LINK")
+        raise Usage("create-symlinks: at least one --link TARGET::LINK")
     if sub == "update-ldcache" and not opts["folders"]:
-        raise _Usage("update-ldcache: at least one --folder DIR")
+        raise Usage("update-ldcache: at least one --folder DIR")
     return sub, opts
 
 
@@ -100,12 +96,8 @@ def params_without_modify(text: str | None) -> str | None:
 def main(argv: list[str]) -> int:
     try:
         sub, opts = parse_args(argv)
-    except _Usage as exc:
-        if str(exc):
-            sys.stderr.write(f"{PROG}: input error: {exc}\n")
-            return 2
-        sys.stdout.write(USAGE)
-        return 0
+    except Usage as exc:
+        return usage_status(exc, USAGE)
     if opts.get("debug"):
         log.open_debug(opts["debug"])
     try:

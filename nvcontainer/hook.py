@@ -37,8 +37,18 @@ _VALUED = {name: name[2:] for name in OPTIONS}
 _SHORT = {short: name for name, short in OPTIONS.items() if short}
 
 
-class _Usage(Exception):
-    pass
+class Usage(Exception):
+    """A usage error of the hook or one of its CDI sub-hooks; an empty message asks for the
+    usage text (``--help``)."""
+
+
+def usage_status(exc: Usage, usage: str) -> int:
+    """What a usage error becomes: one line and exit status 2, or the usage text and 0."""
+    if str(exc):
+        sys.stderr.write(f"{PROG}: input error: {exc}\n")
+        return 2
+    sys.stdout.write(usage)
+    return 0
 
 
 def parse_args(argv: list[str]) -> tuple[dict, bool, str]:
@@ -53,20 +63,20 @@ def parse_args(argv: list[str]) -> tuple[dict, bool, str]:
         if name in _VALUED:
             if not eq:
                 if not args:
-                    raise _Usage(f"{name} needs a value")
+                    raise Usage(f"{name} needs a value")
                 value = args.pop(0)
             opts[_VALUED[name]] = value
         elif arg == "--dry-run":
             dry_run = True
         elif arg in ("-h", "--help"):
-            raise _Usage("")
+            raise Usage("")
         elif arg.startswith("-"):
-            raise _Usage(f"unknown option {arg}")
+            raise Usage(f"unknown option {arg}")
         else:
             if args:
-                raise _Usage(f"unexpected argument after {arg}")
+                raise Usage(f"unexpected argument after {arg}")
             return opts, dry_run, arg
-    raise _Usage("missing stage (prestart, poststart or poststop)")
+    raise Usage("missing stage (prestart, poststart or poststop)")
 
 
 def prestart(opts: dict, dry_run: bool) -> int:
@@ -124,12 +134,8 @@ def main(argv: list[str] | None = None, *, serve: bool = True) -> int:
         return cdi_hook(argv)
     try:
         opts, dry_run, stage = parse_args(argv)
-    except _Usage as exc:
-        if str(exc):
-            sys.stderr.write(f"{PROG}: input error: {exc}\n")
-            return 2
-        sys.stdout.write(USAGE)
-        return 0
+    except Usage as exc:
+        return usage_status(exc, USAGE)
     if stage in ("poststart", "poststop"):
         return 0
     if stage != "prestart":

@@ -330,7 +330,7 @@ def test_imex_channels(values):
 def test_hook_argv(argv):
     try:
         opts, dry_run, stage = hook.parse_args(argv)
-    except hook._Usage:
+    except hook.Usage:
         return
     assert isinstance(stage, str) and isinstance(opts, dict) and isinstance(dry_run, bool)
 
