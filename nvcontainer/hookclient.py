@@ -91,6 +91,22 @@ def decode_request(data):
     return pid, umask, strings[:nargs], env
 
 
+def pack_fds(fds):
+    """The SCM_RIGHTS payload for ``fds``."""
+    return b"".join(fd.to_bytes(4, sys.byteorder, signed=True) for fd in fds)
+
+
+def unpack_fds(ancillary):
+    """The fds of the SCM_RIGHTS messages in ``recvmsg``'s ancillary data (a truncated tail
+    ignored)."""
+    fds = []
+    for level, kind, payload in ancillary:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            fds += [int.from_bytes(payload[i:i + 4], sys.byteorder, signed=True)
+                    for i in range(0, len(payload) - 3, 4)]
+    return fds
+
+
 def forward(argv):
     """The exit status of the run done by the server, or None when no server took it."""
     path = socket_path(argv)
@@ -109,9 +125,9 @@ def forward(argv):
         env = ["%s=%s" % (name, os.environ[name]) for name in ENV if name in os.environ]
         umask = os.umask(0o022)
         os.umask(umask)
-        fds = b"".join(fd.to_bytes(4, sys.byteorder) for fd in (0, 1, 2, cwd))
         try:
-            sock.sendmsg([encode_request(argv, env, umask)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
+            sock.sendmsg([encode_request(argv, env, umask)],
+                          [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds((0, 1, 2, cwd)))])
         except OSError:
             return None   # e.g. a closed stdio fd: the in-process run reports it its own way
         finally:

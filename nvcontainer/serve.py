@@ -19,9 +19,9 @@ What keeps it from being a new way in:
 * each request runs in a fresh child (a crash or a hang there is that request's alone), which
   is killed within ``CLIENT_GONE_GRACE`` of its client going away: runtimes SIGKILL only the
   hook on their timeout, and the child's workers die with it (``PR_SET_PDEATHSIG``);
-* that child is forked before its request comes (a *spare*); once no request is in flight it
-  makes its memory its own (:mod:`.prewarm`), then takes the next connection itself and hands
-  the server a copy so the hang-up watch above still holds. It serves one request only, like
+* that child is forked before its request comes (a *spare*), once no request has been in flight
+  for a while; it makes its memory its own (:mod:`.prewarm`), then takes the next connection
+  itself and hands the server a copy so the hang-up watch above still holds. It serves one request only, like
   any child; the time it saves is the copy-on-write faults a fresh child would take on the way;
 * this process stays single-threaded, takes nothing from the client's environment but the two
   variables the hook reads (and its umask), and bounds the request (64 KiB, four fds).
@@ -56,9 +56,7 @@ _NAMESPACES = ("mnt", "pid", "cgroup", "user")
 def preload() -> None:
     """Import everything a GPU request touches, so that no child pays for an import (tomllib
     too: a node with a config.toml would otherwise import it in every request)."""
-    import array  # noqa: F401   (these three: handing a job to a standby worker)
-    import pickle  # noqa: F401
-    import socket as _socket  # noqa: F401
+    import pickle  # noqa: F401   (handing a job to a standby worker)
     import tomllib  # noqa: F401
 
     from . import config, configure, hook, oci, prewarm, request, require  # noqa: F401
@@ -194,24 +192,13 @@ class _Request:
 
 
 class _Spare:
-    """The next request's child, forked ahead. ``notify``: where this process tells it that
-    nothing else runs (it may warm up now), and where it hands over a copy of the connection it
-    took, after which it is an ordinary request child. ``told``: it was told."""
+    """The next request's child, forked ahead. ``notify``: where it hands over a copy of the
+    connection it took, after which it is an ordinary request child."""
 
-    __slots__ = ("pid", "pidfd", "notify", "told")
+    __slots__ = ("pid", "pidfd", "notify")
 
     def __init__(self, pid: int, pidfd: int, notify: socket.socket):
-        self.pid, self.pidfd, self.notify, self.told = pid, pidfd, notify, False
-
-    def idle(self) -> None:
-        """No request is in flight: the warm-up competes with nobody for the CPUs now (one
-        started beside a request would slow that very request down)."""
-        if not self.told:
-            self.told = True
-            try:
-                self.notify.send(b"w")
-            except OSError:
-                pass   # it is gone; its pidfd says so next
+        self.pid, self.pidfd, self.notify = pid, pidfd, notify
 
 
 def serve(path: str, cfg, *, ready=None, spare: bool = True) -> int:
@@ -263,7 +250,8 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
         while not stopping:
             # Only after a while idle: a fork (and the spare's warm-up) beside a request in
             # flight, or beside the start it was for, takes CPU from them; until there is a
-            # spare, connections are accepted here, one fork each.
+            # spare, connections are accepted here, one fork each. From the fork until the
+            # spare takes a connection no other request runs: only the spare accepts.
             timeout = None
             if children:
                 idle_since = None
@@ -273,8 +261,6 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
                 wait = idle_since + SPARE_DELAY - time.monotonic()
                 if wait <= 0:
                     spare = _fork_spare(sock)
-                    if spare is not None:
-                        spare.idle()
                 else:
                     timeout = wait
             poller = select.poll()
@@ -397,12 +383,11 @@ def _taken(spare: _Spare, children: dict) -> bool:
     conn = None
     try:
         _, ancillary, _, _ = spare.notify.recvmsg(1, socket.CMSG_SPACE(4), socket.MSG_DONTWAIT)
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(payload) >= 4:
-                fds = struct.unpack(f"{len(payload) // 4}i", payload[: len(payload) - len(payload) % 4])
-                conn = socket.socket(fileno=fds[0])
-                for extra in fds[1:]:
-                    os.close(extra)
+        fds = hookclient.unpack_fds(ancillary)
+        if fds:
+            conn = socket.socket(fileno=fds[0])
+        for extra in fds[1:]:
+            os.close(extra)
     except (BlockingIOError, InterruptedError):
         pass
     except OSError as exc:
@@ -428,24 +413,20 @@ def _spare_child(sock: socket.socket, notify: socket.socket) -> int:
     def client_waiting() -> bool:
         return bool(select.select([sock], [], [], 0)[0])
 
-    listening = [sock, notify]
+    # The server is idle (it forks a spare only then). The request's worker first, forked and
+    # warming itself ahead too: after this process warmed up, a fork would share and
+    # write-protect its pages again.
+    worker.standby()
+    prewarm.own_pages(client_waiting)
     while True:
-        ready = select.select(listening, [], [])[0]   # the server going away kills this child (PDEATHSIG)
-        if notify in ready:
-            listening = [sock]       # one word only: warm up now, the server is idle
-            if notify.recv(1) == b"w":
-                # The request's worker first, forked and warming itself ahead too (after this
-                # process warmed up, a fork would share and write-protect its pages again).
-                worker.standby()
-                prewarm.own_pages(client_waiting)
-            continue
+        select.select([sock], [], [])   # the server going away kills this child (PDEATHSIG)
         try:
             conn, _ = sock.accept()
             break
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             continue
     sock.close()
-    notify.sendmsg([b"t"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", conn.fileno()))])
+    notify.sendmsg([b"t"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, hookclient.pack_fds([conn.fileno()]))])
     notify.close()
     return handle(conn)
 
@@ -529,10 +510,7 @@ def _become_request_child() -> None:
 def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
     space = socket.CMSG_SPACE(hookclient.MAX_FDS * 4)
     data, ancillary, flags, _ = conn.recvmsg(hookclient.MAX_REQUEST, space)
-    fds: list[int] = []
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds += struct.unpack(f"{len(payload) // 4}i", payload[: len(payload) - len(payload) % 4])
+    fds = hookclient.unpack_fds(ancillary)
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) != hookclient.MAX_FDS:
         for fd in fds:
             os.close(fd)

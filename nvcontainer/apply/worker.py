@@ -424,11 +424,20 @@ class _Standby:
     def __init__(self, pid: int, pidfd: int, jobs, rfd: int):   # jobs: a socket.socket
         self.pid, self.pidfd, self.jobs, self.rfd = pid, pidfd, jobs, rfd
 
+    def discard(self) -> None:
+        """Kill and reap it: its job will not come."""
+        self.jobs.close()
+        _kill_group(self.pid)
+        _reap(self.pid, self.pidfd)
+        os.close(self.pidfd)
+        os.close(self.rfd)
+
     def take(self, fn, args, keep: list[int], deadline: float, name: str, category: str,
              max_reply: int) -> "Worker | None":
-        import array
         import pickle
         import socket
+
+        from ..hookclient import pack_fds
 
         cwd = None
         try:
@@ -441,15 +450,10 @@ class _Standby:
             if len(job) > MAX_JOB:
                 raise ValueError("job too large")
             cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            fds = array.array("i", [*keep, cwd])
-            self.jobs.sendmsg([job], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())])
+            self.jobs.sendmsg([job], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, pack_fds([*keep, cwd]))])
         except (OSError, ValueError, TypeError, AttributeError, pickle.PicklingError, RecursionError) as exc:
             log.info(f"{name}: standby worker not used ({type(exc).__name__}): forking one")
-            self.jobs.close()
-            _kill_group(self.pid)
-            _reap(self.pid, self.pidfd)
-            os.close(self.pidfd)
-            os.close(self.rfd)
+            self.discard()
             return None
         finally:
             if cwd is not None:
@@ -507,23 +511,11 @@ def discard_standby() -> None:
     global _standby
     if _standby is not None:
         ready, _standby = _standby, None
-        ready.jobs.close()
-        _kill_group(ready.pid)
-        _reap(ready.pid, ready.pidfd)
-        os.close(ready.pidfd)
-        os.close(ready.rfd)
+        ready.discard()
 
 
 def _standby_child(parent: int, jobs: int, wfd: int):
-    prctl.set_pdeathsig(signal.SIGKILL)
-    if os.getppid() != parent:
-        os._exit(1)
-    prctl.set_dumpable(False)
-    os.setpgid(0, 0)
-    gc.freeze()
-    log.close()
-    jobs, wfd = (_move_above(fd, 3) if fd < 3 else fd for fd in (jobs, wfd))
-    close_fds_except([jobs, wfd])   # nothing of the server's or the spare's stays here
+    wfd = _become_worker(parent, [jobs], wfd)   # nothing of the server's or the spare's stays here
     from .. import prewarm
 
     prewarm.own_pages(lambda: bool(select.select([jobs], [], [], 0)[0]))
@@ -532,16 +524,14 @@ def _standby_child(parent: int, jobs: int, wfd: int):
 
 def _install(jobs: int, wfd: int):
     """Receive the job and become the worker :func:`start` would have forked for it."""
-    import array
     import pickle
     import socket
 
+    from ..hookclient import unpack_fds
+
     conn = socket.socket(fileno=jobs)
     data, ancillary, flags, _ = conn.recvmsg(MAX_JOB + 1, socket.CMSG_SPACE(4 * MAX_JOB_FDS))
-    received = array.array("i")
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
+    received = unpack_fds(ancillary)
     if not data:
         os._exit(0)   # the parent went on without a job for us
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
