@@ -99,15 +99,20 @@ def interleaved(step: dict) -> dict:
     for arm in arms:
         for bundle in step.get("warmup", {}).get(arm, []):
             run_container(bundle)
-    out = {arm: {"ms": [], "failures": []} for arm in arms}
-    for i in range(len(step["arms"][arms[0]])):
-        order = arms[i % len(arms):] + arms[:i % len(arms)]
-        for arm in order:
-            ms, rc, err = run_container(step["arms"][arm][i])
+    return _round_robin(arms, len(step["arms"][arms[0]]), lambda arm, i: run_container(step["arms"][arm][i]))
+
+
+def _round_robin(names: list[str], rounds: int, run) -> dict:
+    """``run(name, i)`` for every name in every round, the first name rotating; the times of
+    the runs that exited 0, the errors of the others."""
+    out = {name: {"ms": [], "failures": []} for name in names}
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            ms, rc, err = run(name, i)
             if rc == 0:
-                out[arm]["ms"].append(ms)
+                out[name]["ms"].append(ms)
             else:
-                out[arm]["failures"].append(err)
+                out[name]["failures"].append(err)
     return out
 
 
@@ -147,15 +152,7 @@ def commands(step: dict) -> dict:
     labels = list(step["commands"])
     for label in labels:
         timed(step["commands"][label])
-    out = {label: {"ms": [], "failures": []} for label in labels}
-    for i in range(step["runs"]):
-        for label in labels[i % len(labels):] + labels[:i % len(labels)]:
-            ms, rc, err = timed(step["commands"][label])
-            if rc == 0:
-                out[label]["ms"].append(ms)
-            else:
-                out[label]["failures"].append(err)
-    return out
+    return _round_robin(labels, step["runs"], lambda label, _i: timed(step["commands"][label]))
 
 
 def after_reboot(step: dict) -> dict:
