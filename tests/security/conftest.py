@@ -639,7 +639,8 @@ def fault(hook):
         time.sleep(0.0005)
     time.sleep(f.get("delay", 0))
     if f["what"] == "hook":
-        rec["struck"] = hook.poll() is None
+        # whether it struck is read from the hook's exit status afterwards: poll() here says
+        # "running" whenever the other thread holds the wait lock, even after the hook exited
         hook.kill()
         return
     try:
@@ -668,6 +669,8 @@ for _ in range(opts.get("repeat", 1) if argv else 0):
     if striker:
         striker.join()
     rc = hook.returncode
+    if opts.get("fault", {}).get("what") == "hook":
+        rec["struck"] = rc == -signal.SIGKILL
     rec["runs"].append({"rc": rc, "stderr": err.decode("utf-8", "surrogateescape")})
     if rc:
         break
