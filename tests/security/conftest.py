@@ -334,11 +334,14 @@ def _ns_fds() -> set[str]:
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def _subreaper():
+    """Package-scoped: the tests outside this package do not reap orphans, so pytest stops
+    being a subreaper (and reaps what came to it) once the last security test is done."""
     _set_subreaper(True)
     yield
     _set_subreaper(False)
+    _reap()
 
 
 @pytest.fixture(autouse=True)
