@@ -14,14 +14,15 @@ reviewer cares about regardless of the case:
   installed), on top of the timeout on every subprocess.
 
 A case runs through :func:`run_both`: once through ``nvcontainer configure --pid`` against a
-"container" process of our own (:func:`run_configure`), then through a real runtime twice, a
-control run without our hook and the real run with it (:func:`run_runtime`). The control run is
+"container" process of our own (:func:`run_configure`), then through a real runtime three
+times, a control run without our hook, the real run with it, and the same run served by
+``nvcontainer serve`` through the native client (:func:`run_runtime`). The control run is
 needed because Debian 12's runc 1.1.5 and crun 1.8.1 have unfixed escapes of their own (e.g.
 CVE-2026-41579: a ``/dev`` symlink makes runc create entries outside the rootfs); when the
 control run alone damages the sentinel, the runtime half is reported as not attributable and
 only the direct half judges our code.
 
-Both halves check the same things: the exit status, one escaped line on failure, the device
+Every run checks the same things: the exit status, one escaped line on failure, the device
 rules the container's cgroup gained (exactly the requested ones), that a device node shipped
 in the image but not requested stays EPERM, and that every mount added to the container's
 mount namespace lies inside the rootfs while no mount appears under the rootfs on the host.
@@ -702,23 +703,47 @@ echo "UNREQ:$(cat /{UNREQUESTED} 2>&1 | head -1)"
 """
 
 
+# The native hook client that ``nvcontainer setup --serve`` registers, for ``served`` runs
+# (set once for the package, from the session's ``native_client``).
+_SERVED_CLIENT: list[str] = []
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _served_client(native_client):
+    _SERVED_CLIENT[:] = [native_client]
+    yield
+
+
 def run_runtime(machine, workdir: Path, image: Callable[[Path], None] | None = None,
                 env: Sequence[str] = DEFAULT_ENV, *, our_hook: bool = True, runtime: str = "runc",
                 script: str = "", hook_args: Sequence[str] = (), volumes: Sequence[tuple[Path, str]] = (),
-                extra_spec: Callable[[dict], None] | None = None) -> tuple[Outcome, Path]:
+                extra_spec: Callable[[dict], None] | None = None, served: bool = False) -> tuple[Outcome, Path]:
     """``<runtime> run`` a bundle whose rootfs is :func:`fresh_image` then ``image(rootfs)``;
     prestart hooks: the test's /proc/driver tmpfs, then the recording wrapper around our hook
     (or around nothing, for a control run). The container runs :data:`RUNTIME_PROBE`, then
     ``script``, then prints ``DONE:ok``. ``hook_args`` go before the hook's stage word (e.g.
     ``--config FILE``); ``volumes`` become bind mounts of the spec. Returns the outcome and the
-    rootfs."""
-    tag = "hooked" if our_hook else "control"
+    rootfs.
+
+    ``served``: the hook is the native client, and ``nvcontainer serve`` runs beside the
+    runtime for the whole start, as ``nvcontainer setup --serve`` sets a node up; the run is
+    checked to have been served (no request declined, the hook's trace says so)."""
+    tag = "served" if served else "hooked" if our_hook else "control"
     record = workdir / f"record-{tag}-{uuid.uuid4().hex[:6]}.json"
+    sock = None
+    if served:
+        assert our_hook and _SERVED_CLIENT, "a served run needs our hook and the native client"
+        home = workdir / f"srv-{uuid.uuid4().hex[:6]}"
+        home.mkdir(mode=0o700)
+        sock = home / "hook.sock"
 
     def hooks(spec):
         driver, hook = rt.hook_entries(machine, our_hook=True, hook_args=hook_args)
         wrapped = [sys.executable, "-I", "-c", RECORDING_WRAPPER, str(record), str(os.getpid()), "{}"]
-        if our_hook:
+        if served:
+            wrapped += [_SERVED_CLIENT[0], "--socket", str(sock), "--root", str(machine.root),
+                        "--debug", str(sock.parent / "hook.log"), *hook_args, "prestart"]
+        elif our_hook:
             wrapped += hook["args"]
         spec["hooks"]["prestart"] = [driver, {"path": sys.executable, "args": wrapped, "env": hook["env"],
                                               "timeout": 90}]
@@ -734,9 +759,11 @@ def run_runtime(machine, workdir: Path, image: Callable[[Path], None] | None = N
     _image_extras(rootfs, machine)
     if image:
         image(rootfs)
-    res = rt.run_container(machine, bundle, runtime=runtime, timeout=RUN_SECONDS)
+    res = rt.run_container(machine, bundle, runtime=runtime, timeout=RUN_SECONDS, serve=sock)
     outcome = Outcome(f"{runtime}-{tag}", res.returncode, res.stdout, runtime_stderr=res.stderr,
                       facts=parse_facts(res.stdout), hook_ran=record.exists(), rootfs=rootfs)
+    if served:
+        _check_served(sock, outcome)
     if outcome.hook_ran:
         rec = json.loads(record.read_text())
         outcome.stderr = rec["runs"][-1]["stderr"] if our_hook and rec["runs"] else ""
@@ -747,6 +774,18 @@ def run_runtime(machine, workdir: Path, image: Callable[[Path], None] | None = N
                                          + [f"runtime namespace: {e[0]}" for e in world.elements()])
         outcome.rules = set(rec["devices_after"]) - set(rec["devices_before"])
     return outcome, rootfs
+
+
+def _check_served(sock: Path, out: Outcome) -> None:
+    """That a ``served`` run was: the server started and stopped cleanly around the runtime,
+    declined no request (a declined client runs the hook itself), and the hook's trace, once it
+    got as far as the prestart line, names the server's child."""
+    assert "SERVER_BESIDE" not in out.runtime_stderr, out.runtime_stderr
+    server_log = (sock.parent / "serve.log").read_text()
+    assert "request declined" not in server_log, server_log
+    trace = (sock.parent / "hook.log").read_text() if (sock.parent / "hook.log").exists() else ""
+    if out.returncode == 0 or "prestart: pid" in trace:
+        assert "(served by nvcontainer serve, pid " in trace, trace
 
 
 # --- both paths -------------------------------------------------------------------------------
@@ -761,6 +800,18 @@ class Both:
     hooked: Outcome | None       # None when the runtime itself could not be judged
     control: Outcome | None
     note: str = ""
+    served: Outcome | None = None   # the same hooked start through ``nvcontainer serve``
+
+    @property
+    def judged(self) -> tuple[Outcome, ...]:
+        """The runs a case's own checks apply to: the direct one, and both runtime starts
+        (hooked, served) unless the runtime itself could not be judged."""
+        return (self.direct,) if self.hooked is None else (self.direct, self.hooked, self.served)
+
+    @property
+    def starts(self) -> tuple[Outcome, ...]:
+        """The runtime starts with our hook, in-process and served; none if not judged."""
+        return () if self.hooked is None else (self.hooked, self.served)
 
 
 def check_success(out: Outcome, machine, rootfs: Path, gpus: Sequence[int] = (0,)) -> None:
@@ -834,19 +885,23 @@ def run_both(machine, sentinel: Sentinel, workdir: Path, image: Callable[[Path],
         warnings.warn(note)
         return Both(direct, None, control, note)
 
-    hooked, rootfs = run_runtime(machine, workdir, image, env, our_hook=True, runtime=runtime, script=script,
-                                 hook_args=global_args, volumes=volumes)
+    runs = [run_runtime(machine, workdir, image, env, our_hook=True, runtime=runtime, script=script,
+                        hook_args=global_args, volumes=volumes, served=served)
+            for served in (False, True)]
     if check:
-        if control.returncode != 0 or "DONE" not in control.facts:
-            assert hooked.returncode != 0, f"{runtime} refused the image without us but ran it with us"
-            if hooked.stderr:
-                assert_one_line_failure(hooked, "nvcontainer-hook: ")
-            check_contained(hooked, rootfs)
-            return Both(direct, hooked, control, f"{runtime} refuses this image by itself")
+        refused = control.returncode != 0 or "DONE" not in control.facts
         if expect_runtime is SAME:
             expect_runtime = expect
-        if expect_runtime is None:
-            check_success(hooked, machine, rootfs)
-        else:
-            check_failure(hooked, machine, "nvcontainer-hook: ", expect_runtime, rootfs)
-    return Both(direct, hooked, control)
+        for out, rootfs in runs:
+            if refused:
+                assert out.returncode != 0, f"{out.path}: {runtime} refused the image without us but ran it with us"
+                if out.stderr:
+                    assert_one_line_failure(out, "nvcontainer-hook: ")
+                check_contained(out, rootfs)
+            elif expect_runtime is None:
+                check_success(out, machine, rootfs)
+            else:
+                check_failure(out, machine, "nvcontainer-hook: ", expect_runtime, rootfs)
+        if refused:
+            return Both(direct, runs[0][0], control, f"{runtime} refuses this image by itself", runs[1][0])
+    return Both(direct, runs[0][0], control, served=runs[1][0])

@@ -135,7 +135,7 @@ def test_deep_link_is_refused_whatever_the_fd_limit(sec_machine, host_sentinel, 
     nested directories in the rootfs."""
     image = lambda r: put(r, LIB, link("d/" * 2000 + "lib"))
     both = run_both(sec_machine, host_sentinel, workdir, image, expect=DEEP, runtime="crun")
-    for out in (both.direct, both.hooked):
+    for out in both.judged:
         depth, path = 0, out.rootfs / "usr/lib/d"
         while path.is_dir():
             depth, path = depth + 1, path / "d"
@@ -147,7 +147,7 @@ def test_followed_link_lands_inside_the_rootfs(sec_machine, host_sentinel, workd
     that path *inside* the rootfs, as the container itself would resolve the link."""
     image = lambda r: put(r, LIB, link(str(host_sentinel.lib_dir)))
     both = run_both(sec_machine, host_sentinel, workdir, image)
-    for out in (both.direct, both.hooked):
+    for out in both.judged:
         landed = f"{out.rootfs}{host_sentinel.lib_dir}/libcuda.so.550.54.14"
         assert landed in out.new_mounts, out.new_mounts
     assert not (host_sentinel.lib_dir / "libcuda.so.550.54.14").exists()
@@ -174,12 +174,12 @@ def test_dev_is_a_link_out_of_the_rootfs(sec_machine, host_sentinel, workdir, ta
     assert direct.rules == expected_rules(sec_machine)
     assert f"{direct.rootfs}{host_sentinel.empty_dir}/nvidia0" in direct.new_mounts
     check_contained(direct, direct.rootfs)
-    if both.hooked is not None:
+    for out in both.starts:
         if both.control.returncode == 0:
-            assert both.hooked.returncode == 0, both.hooked.stderr
-            assert both.hooked.facts["OPEN0"][0].endswith(ENXIO)
-            assert both.hooked.facts["UNREQ"][0].endswith(EPERM)
-        check_contained(both.hooked, both.hooked.rootfs)
+            assert out.returncode == 0, out.stderr
+            assert out.facts["OPEN0"][0].endswith(ENXIO)
+            assert out.facts["UNREQ"][0].endswith(EPERM)
+        check_contained(out, out.rootfs)
 
 
 def test_dev_through_procfs_is_refused(sec_machine, host_sentinel, workdir):
@@ -215,7 +215,7 @@ AT_TARGET = [
 def test_existing_entry_at_a_target(sec_machine, host_sentinel, workdir, rel, make, expect):
     both = run_both(sec_machine, host_sentinel, workdir, lambda r: put(r, rel, make(host_sentinel)), expect=expect)
     if expect is None and rel in (LIBCUDA, "run/nvidia-persistenced/socket"):
-        for out in (both.direct, both.hooked):
+        for out in both.judged:
             # mounted at the very name the image had claimed, not where its link pointed
             assert f"{out.rootfs}/{rel}" in out.new_mounts, out.path
 
@@ -292,7 +292,7 @@ def test_cuda_compat_libraries(sec_machine, host_sentinel, workdir, rel, make, u
     """Compat libraries are never mounted or opened unless they are regular, native ELF files
     reached in-root; a usable one only earns an ld.so.conf.d drop-in naming the compat dir."""
     both = run_both(sec_machine, host_sentinel, workdir, lambda r: put(r, rel, make(host_sentinel)))
-    for out in (both.direct, both.hooked):
+    for out in both.judged:
         drop_in = out.rootfs / DROP_IN
         assert drop_in.exists() == used, out.path
         if used:
@@ -315,7 +315,7 @@ def test_compat_drop_in_cannot_be_redirected(sec_machine, host_sentinel, workdir
         put(r, rel, make(host_sentinel))
 
     both = run_both(sec_machine, host_sentinel, workdir, image)
-    for out in (both.direct, both.hooked):
+    for out in both.judged:
         where = out.rootfs / DROP_IN
         if rel == "etc/ld.so.conf.d":   # followed in-root: the drop-in is inside the rootfs
             where = Path(f"{out.rootfs}{host_sentinel.tree}/etc/ld.so.conf.d") / Path(DROP_IN).name
@@ -361,4 +361,4 @@ def test_host_directory_volume_gets_no_entries(sec_machine, host_sentinel, workd
     both = run_both(sec_machine, host_sentinel, workdir, volumes=[(host_sentinel.empty_dir, rel)],
                     expect="host filesystem mounted into the container")
     assert not any(target.split("/")[0] in name for name in os.listdir(host_sentinel.empty_dir))
-    assert both.direct.new_mounts == [] and both.hooked.new_mounts == []
+    assert [out.new_mounts for out in both.judged] == [[], [], []]

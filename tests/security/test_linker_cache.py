@@ -98,7 +98,7 @@ CONF_CASES = [
 @pytest.mark.parametrize("change", [c[1] for c in CONF_CASES], ids=[c[0] for c in CONF_CASES])
 def test_ld_so_conf_cannot_reach_the_host(sec_machine, host_sentinel, workdir, change):
     both = run_both(sec_machine, host_sentinel, workdir, lambda r: change(r, host_sentinel))
-    for out in (both.direct, both.hooked):
+    for out in both.judged:
         assert_cache_is_the_containers(out, host_sentinel)
 
 
@@ -125,7 +125,7 @@ def test_ld_so_cache_link_is_replaced_not_followed(sec_machine, host_sentinel, w
     """ldconfig writes a temporary and renames it over the name: the link itself is replaced,
     the host cache it pointed at keeps its content (autouse sentinel)."""
     both = run_both(sec_machine, host_sentinel, workdir, lambda r: put(r, CACHE, make(host_sentinel)))
-    for out in (both.direct, both.hooked):
+    for out in both.judged:
         assert_cache_is_the_containers(out, host_sentinel)
 
 
@@ -146,7 +146,7 @@ def test_ld_so_cache_directory_fails_in_one_escaped_line(sec_machine, host_senti
         (r / CONF).write_text("/usr/lib/x86_64-linux-gnu\n/opt/\x1b]0;owned\x07\nnvcontainer: forged line\n")
 
     both = run_both(sec_machine, host_sentinel, workdir, image, expect="ldcache error")
-    for out in (both.direct, both.hooked):
+    for out in both.judged:
         assert "\x1b" not in out.stderr
 
 
@@ -167,8 +167,8 @@ def test_image_ldconfig_loader_and_preload_never_run(sec_machine, host_sentinel,
 
     # the container's own `ldconfig -p` would run the trap: the probe must not use it
     both = run_both(sec_machine, host_sentinel, workdir, image)
-    no_marker(host_sentinel, both.direct.rootfs, both.hooked.rootfs)
-    for out in (both.direct, both.hooked):
+    no_marker(host_sentinel, *(out.rootfs for out in both.judged))
+    for out in both.judged:
         assert_cache_is_the_containers(out, host_sentinel)
 
 
