@@ -180,29 +180,37 @@ def _left(end: float, step: str) -> float:
 
 
 def _place(pinned, rootfs: str, actions: list[dict], owner, end: float) -> None:
-    from .apply import mounter, worker
+    from .apply import execute, mounter, worker
 
     reply = worker.run(mounter.place, pinned.mntns_fd, rootfs, actions, list(owner), deadline=_left(end, "mount"),
                        name="mount worker", keep_fds=[pinned.mntns_fd], category="mount")
-    for warning in reply["warnings"]:
-        log.warning(warning)
-    log.info(f"placed {reply['done']} actions in {rootfs}")
+    execute.log_placed(reply, rootfs)
 
 
 def _update_ldcache(pinned, rootfs: str, opts: dict, owner, end: float) -> None:
     """A drop-in naming the folders (so a later ldconfig in the container keeps them), then the
-    host's ldconfig in its sandbox, scanning them."""
-    from .apply.ldconfig import ldconfig_argv, run_ldconfig
+    host's ldconfig in its sandbox, scanning them: one worker for both, as for a plan."""
+    from .apply import execute, ldconfig, worker
 
     folders = list(dict.fromkeys(opts["folders"]))
-    ldconfig_argv(folders)   # validates: absolute, bounded, no option-like names
     program = opts.get("ldconfig", "/sbin/ldconfig")
     if not program.startswith("/"):
         raise NvcError("input", f"--ldconfig-path {escape(program)}: must be an absolute host path")
     drop_in = {"op": "file", "target": DROP_IN, "content": "".join(f + "\n" for f in folders), "mode": 0o644}
-    _place(pinned, rootfs, [drop_in], owner, end)
-    run_ldconfig(pinned.mntns_fd, rootfs, folders, ldconfig_host_path=program, uid=owner[0], gid=owner[1],
-                 deadline=_left(end, "ldconfig"))
+    # validates the folders (absolute, bounded, no option-like names) before anything is placed
+    job = ldconfig.prepare_run(rootfs, folders, ldconfig_host_path=program, uid=owner[0], gid=owner[1])
+    try:
+        running = worker.start(execute.place_then_ldconfig, pinned.mntns_fd, rootfs, [drop_in], list(owner), [], job,
+                               deadline=_left(end, "mount"), name="mount worker", category="mount",
+                               keep_fds=[pinned.mntns_fd, job.exe])
+        try:
+            execute.log_placed(running.next_stage(), rootfs)
+        except BaseException:
+            running.kill()
+            raise
+        ldconfig.report(running.wait(), job.program)
+    finally:
+        job.close()
     log.info("ldconfig done")
 
 

@@ -618,3 +618,13 @@ def test_a_spec_offers_only_what_allowed_devices_permits(mig, tmp_path):
     assert res.returncode == 1
     assert res.stderr.endswith("allowed-devices permits no device on this node: a CDI spec needs at least one\n")
     assert res.stderr.count("\n") == 1
+
+
+def test_update_ldcache_hook_checks_ldconfig_before_placing_anything(plain, container):
+    """The program is opened in the host process before the worker starts: a bad one is a
+    one-line refusal, and the container gets no drop-in naming folders no cache lists."""
+    pid, bundle, rootfs = container
+    res = run_hook(plain, pid, bundle, "update-ldcache", "--folder", "/opt/nv", "--ldconfig-path", "/nowhere/ldconfig")
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert "/nowhere/ldconfig" in res.stderr, res.stderr
+    assert not (rootfs / "etc/ld.so.conf.d/00-nvcontainer-cdi.conf").exists()

@@ -54,7 +54,7 @@ def apply(plan: Plan, *, deadline: float = 30.0, mountinfo_pid: int | None = Non
         actions, fds = mounter.prepare(plan)
         log.info(f"prepared {len(fds)} detached mounts")
         running = worker.start(
-            _place_then_ldconfig, pinned.mntns_fd, plan.rootfs, actions, list(plan.owner), fds, job,
+            place_then_ldconfig, pinned.mntns_fd, plan.rootfs, actions, list(plan.owner), fds, job,
             deadline=_left(end, "mount"), name="mount worker", category="mount",
             keep_fds=[pinned.mntns_fd, *fds, *([job.exe] if job else [])],
         )
@@ -63,7 +63,7 @@ def apply(plan: Plan, *, deadline: float = 30.0, mountinfo_pid: int | None = Non
                 os.close(fd)
             fds = []
             # The devices only after the mounts are in: see the module docstring.
-            _placed(running.wait() if job is None else running.next_stage(), plan.rootfs)
+            log_placed(running.wait() if job is None else running.next_stage(), plan.rootfs)
             if plan.cgroups:
                 _cgroups(plan, pinned, mountinfo_pid)
         except BaseException:
@@ -82,14 +82,14 @@ def apply(plan: Plan, *, deadline: float = 30.0, mountinfo_pid: int | None = Non
         pinned.close()
 
 
-def _placed(reply: dict, rootfs: str) -> None:
+def log_placed(reply: dict, rootfs: str) -> None:
     for w in reply["warnings"]:
         log.warning(w)
     log.info(f"placed {reply['done']} actions in {rootfs}")
 
 
-def _place_then_ldconfig(mntns_fd: int, rootfs: str, actions: list[dict], owner: list[int], held: list[int],
-                         job: ldconfig.Job | None) -> dict:
+def place_then_ldconfig(mntns_fd: int, rootfs: str, actions: list[dict], owner: list[int], held: list[int],
+                        job: ldconfig.Job | None) -> dict:
     """Worker body: the plan's entries and mounts, then (if the plan has it) ldconfig, as a
     second stage of the same worker, so its failures still read as ldconfig's."""
     placed = mounter.place(mntns_fd, rootfs, actions, owner)

@@ -108,9 +108,10 @@ def run_ldconfig(
     created. ``uid``/``gid`` are the host ids the process runs as: those owning the rootfs's
     ``/etc`` (0 for a normal image), since with no capabilities only the owner may write there.
 
-    A worker of its own enters the namespace. A caller that already has a worker in it (the
-    mount worker of :mod:`.execute`) uses :func:`prepare_run`, :func:`sandbox` in that worker,
-    and :func:`report` instead, and saves a fork and a ``setns``.
+    A worker of its own enters the namespace. The product's callers (a plan's apply, the CDI
+    ``update-ldcache`` hook) already have a worker in it, the one that placed the mounts: they
+    use :func:`prepare_run`, :func:`sandbox` in that worker (``execute.place_then_ldconfig``)
+    and :func:`report` instead, and save a fork and a ``setns``.
     """
     job = prepare_run(rootfs, directories, ldconfig_host_path=ldconfig_host_path, uid=uid, gid=gid)
     try:
