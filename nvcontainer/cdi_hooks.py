@@ -191,9 +191,10 @@ def _update_ldcache(pinned, rootfs: str, opts: dict, owner, end: float) -> None:
     """A drop-in naming the folders (so a later ldconfig in the container keeps them), then the
     host's ldconfig in its sandbox, scanning them: one worker for both, as for a plan."""
     from .apply import execute, ldconfig, worker
+    from .config import LDCONFIG, host_ldconfig
 
     folders = list(dict.fromkeys(opts["folders"]))
-    program = opts.get("ldconfig", "/sbin/ldconfig")
+    program = host_ldconfig(opts.get("ldconfig", LDCONFIG))
     if not program.startswith("/"):
         raise NvcError("input", f"--ldconfig-path {escape(program)}: must be an absolute host path")
     drop_in = {"op": "file", "target": DROP_IN, "content": "".join(f + "\n" for f in folders), "mode": 0o644}

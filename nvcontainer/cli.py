@@ -133,7 +133,7 @@ def list_(obj: _Context, devices, libraries, binaries, ipcs, firmwares, compat32
 @click.option("-p", "--pid", type=int, metavar="PID", help="Container init PID (supervised mode).")
 @click.option("-d", "--device", "devices", multiple=True, metavar="ID", help="GPUs or MIG devices (repeatable, comma lists); none: the driver only.")
 @click.option("-r", "--require", "requirements", multiple=True, metavar="EXPR", help="A requirement every selected GPU must meet (repeatable, ANDed).")
-@click.option("-l", "--ldconfig", metavar="@PATH", help="Host ldconfig to run, as @/absolute/path. [default: @/sbin/ldconfig]")
+@click.option("-l", "--ldconfig", metavar="@PATH", help="Host ldconfig to run, as @/absolute/path. [default: @/sbin/ldconfig, i.e. /sbin/ldconfig.real where the host has it]")
 @click.option("-c", "--compute", is_flag=True, help="Compute libraries and binaries.")
 @click.option("-u", "--utility", is_flag=True, help="Utility libraries and binaries (NVML, nvidia-smi).")
 @click.option("-v", "--video", is_flag=True, help="Video libraries (brings the compute libraries).")
@@ -213,13 +213,14 @@ def cdi() -> None:
 def cdi_generate(obj: _Context, output, fmt, strategies, vendor, cls, no_all_device, hook_path) -> None:
     """A CDI spec for the driver and every GPU and MIG device."""
     from .cdi import commands, generate, store
+    from .config import host_ldconfig
 
     hook = hook_path or commands.default_hook_path()
     inv = obj.inventory()
     opts = generate.Options(
         hook_path=hook, vendor=vendor, cls=cls,
         strategies=tuple(dict.fromkeys(strategies)) or generate.DEFAULT_STRATEGIES, all_device=not no_all_device,
-        ldconfig=obj.config.ldconfig.removeprefix("@"), allow=obj.allow_list(inv),
+        ldconfig=host_ldconfig(obj.config.ldconfig).removeprefix("@"), allow=obj.allow_list(inv),
     )
     text = commands.generate_spec(inv, opts, store.format_for(output, fmt), output)
     if text is not None:
@@ -373,9 +374,10 @@ def setup(obj: _Context, engine, dry_run, prefix, with_cdi, hook_path, served, p
     spec = None
     if with_cdi:
         from .cdi import generate
+        from .config import host_ldconfig
 
         inv = obj.inventory()
-        opts = generate.Options(hook_path=hook, ldconfig=obj.config.ldconfig.removeprefix("@"),
+        opts = generate.Options(hook_path=hook, ldconfig=host_ldconfig(obj.config.ldconfig).removeprefix("@"),
                                 allow=obj.allow_list(inv))
         spec = commands.generate_spec(inv, opts, "yaml", None)
     steps = engines.steps(engine, hook, os.path.dirname(hook), spec, serve)

@@ -13,7 +13,10 @@ ldcache                                                    "/etc/ld.so.cache"   
 debug                                                      unset                 debug log file (absolute)
 user                                                       unset: overflow ids   UID[:GID] of the NVML helper
 ldconfig                                                   "@/sbin/ldconfig"     "@" + absolute host path; an
-                                                                                 image's ldconfig is never run
+                                                                                 image's ldconfig is never run;
+                                                                                 /sbin/ldconfig means
+                                                                                 /sbin/ldconfig.real where the
+                                                                                 host has that (Ubuntu)
 no-cgroups                                                 false                 leave the device cgroup alone
 supported-driver-capabilities                              all seven             "all", comma list or array
 disable-require                                            false                 ignore every requirement
@@ -95,6 +98,22 @@ class Config:
         if user is not None:
             changes["user"] = _user(user, "--user")
         return replace(self, **changes)
+
+
+LDCONFIG = "/sbin/ldconfig"
+LDCONFIG_REAL = "/sbin/ldconfig.real"
+
+
+def host_ldconfig(value: str, exists=os.path.exists) -> str:
+    """``value`` (``@PATH`` or a bare host path), with /sbin/ldconfig read as /sbin/ldconfig.real
+    where the host has that, as nvidia-container-toolkit normalises it.
+
+    Why: on Ubuntu, /sbin/ldconfig is a shell script that execs the binary beside it. Only a
+    static binary runs in the sandbox (no interpreter of the host is taken into the container),
+    so the default would refuse every GPU container there with "not an ELF file"."""
+    if value.removeprefix("@") == LDCONFIG and exists(LDCONFIG_REAL):
+        return value.replace(LDCONFIG, LDCONFIG_REAL, 1)
+    return value
 
 
 def _bad(key: str, value: object, want: str) -> NvcError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from . import log
-from .config import Config
+from .config import Config, host_ldconfig
 from .errors import NvcError, escape
 from .fs.inroot import open_in_root
 from .inventory import procfs
@@ -92,7 +92,7 @@ def options_from_config(config: Config, **flags) -> PlanOptions:
         no_persistenced=flags.get("no_persistenced", False),
         no_fabricmanager=flags.get("no_fabricmanager", False),
         no_gsp_firmware=flags.get("no_gsp_firmware", False),
-        ldconfig=flags.get("ldconfig") or config.ldconfig,
+        ldconfig=host_ldconfig(flags.get("ldconfig") or config.ldconfig),
         cuda_compat_mode=flags.get("cuda_compat_mode") or config.cuda_compat_mode,
         allowed_devices=config.allowed_devices,
         driver_volume_dir=config.driver_volume_dir,

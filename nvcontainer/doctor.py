@@ -59,6 +59,8 @@ class Facts:
     cgroup_v2: bool = False
     systemd: bool = False
     persistenced: bool = False
+    ldconfig: str = "/sbin/ldconfig"                      # the host program the hook runs
+    ldconfig_problem: str | None = None                   # why the hook would refuse it
     cdi_dirs: tuple[str, ...] = ()
     cdi_verdicts: tuple = ()                              # cdi.check.Verdict
     cdi_problems: tuple[str, ...] = ()
@@ -71,7 +73,8 @@ class Facts:
 
 
 def evaluate(f: Facts) -> list[Check]:
-    checks = [_driver(f), _cache(f), _versions(f), _nvml(f), _nodes(f), _cgroups(f), _persistence(f), _cdi(f)]
+    checks = [_driver(f), _cache(f), _versions(f), _nvml(f), _nodes(f), _cgroups(f), _ldconfig(f), _persistence(f),
+              _cdi(f)]
     checks.append(_registrations(f))
     checks.append(_serve(f))
     return checks
@@ -153,6 +156,15 @@ def _cgroups(f: Facts) -> Check:
                                       "rules on 'systemctl daemon-reload' (NVML: Unknown Error, toolkit#48)",
                      f"use CDI, where device rules are part of the container's config: {CDI_HINT}")
     return Check("cgroups", OK, f"{kind}; no systemd to re-apply device rules")
+
+
+def _ldconfig(f: Facts) -> Check:
+    if f.ldconfig_problem is None:
+        return Check("ldconfig", OK, f"{escape(f.ldconfig)}: a static binary, run sealed in each container")
+    return Check("ldconfig", FAIL, f"{escape(f.ldconfig_problem, 300)}: every GPU container would be refused at "
+                                   "its linker cache step",
+                 'set ldconfig = "@PATH" in /etc/nvcontainer/config.toml to a static ldconfig binary (where '
+                 "/sbin/ldconfig is a script, the binary it runs)")
 
 
 def _persistence(f: Facts) -> Check:
@@ -261,6 +273,7 @@ def gather(config, spec_dirs, *, proc: str = "/proc", etc: str = "/", serve_sock
         facts.update(_nvml_facts(config, root, facts.get("cache_libs", {}), kernel))
         facts["nodes"] = tuple(_node_facts(root, proc))
     facts.update(_cgroup_facts(proc))
+    facts.update(_ldconfig_facts(config))
     facts["persistenced"] = _persistenced(root)
     verdicts, problems = commands.check_specs(spec_dirs, ())
     facts.update(cdi_dirs=tuple(spec_dirs), cdi_verdicts=tuple(verdicts), cdi_problems=tuple(problems))
@@ -335,6 +348,19 @@ def _cgroup_facts(proc: str) -> dict:
             v1_devices = True
     comm = (read_text(os.path.join(proc, "1/comm"), 64) or "").strip()
     return {"cgroup_v1_devices": v1_devices, "cgroup_v2": v2, "systemd": comm == "systemd"}
+
+
+def _ldconfig_facts(config) -> dict:
+    """The very check a hook makes before its first run (a sealed copy, a static ELF)."""
+    from .apply import ldconfig
+    from .config import host_ldconfig
+
+    program = host_ldconfig(config.ldconfig).removeprefix("@")
+    try:
+        ldconfig.prepare(program)
+    except NvcError as exc:
+        return {"ldconfig": program, "ldconfig_problem": exc.detail}
+    return {"ldconfig": program}
 
 
 def _persistenced(root: str) -> bool:

@@ -98,9 +98,10 @@ def _prepare_ldconfig(cfg) -> None:
     """The sealed copy of the host's ldconfig, made once here and inherited by every child (each
     run re-checks it with one stat, and copies again only if the host file changed)."""
     from .apply import ldconfig
+    from .config import host_ldconfig
 
     try:
-        ldconfig.prepare(cfg.ldconfig.removeprefix("@"))
+        ldconfig.prepare(host_ldconfig(cfg.ldconfig).removeprefix("@"))
     except NvcError as exc:
         log.warning(f"ldconfig not prepared: {exc.detail}")
 

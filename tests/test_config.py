@@ -157,3 +157,21 @@ def test_load_rejects_non_regular_and_oversized(tmp_path):
     bad.write_bytes(b"root = \"\xff\"")
     with pytest.raises(NvcError, match="not UTF-8"):
         load(str(bad))
+
+
+@pytest.mark.parametrize("value,present,expected", [
+    ("@/sbin/ldconfig", True, "@/sbin/ldconfig.real"),
+    ("/sbin/ldconfig", True, "/sbin/ldconfig.real"),        # a CDI hook's --ldconfig-path
+    ("@/sbin/ldconfig", False, "@/sbin/ldconfig"),
+    ("@/usr/sbin/ldconfig", True, "@/usr/sbin/ldconfig"),  # only the toolkit's own default name
+    ("@/opt/sbin/ldconfig", True, "@/opt/sbin/ldconfig"),
+])
+def test_host_ldconfig_reads_sbin_ldconfig_as_the_binary_beside_it(value, present, expected):
+    asked = []
+
+    def exists(path):
+        asked.append(path)
+        return present
+
+    assert cfg.host_ldconfig(value, exists) == expected
+    assert asked in ([], ["/sbin/ldconfig.real"])

@@ -40,7 +40,7 @@ def with_(**changes) -> Facts:
 
 def test_healthy_node_is_all_ok():
     got = verdicts(HEALTHY)
-    assert [v for v, _, _ in got.values()] == [OK] * 10, got
+    assert [v for v, _, _ in got.values()] == [OK] * 11, got
     assert got["hooks"][1] == "no hook registered: containers get GPUs through CDI only"
 
 
@@ -152,10 +152,11 @@ def test_doctor_on_a_healthy_fake_machine(fake_machine, tmp_path):
     assert res.returncode == 0, res.stderr
     report = {c["name"]: c for c in json.loads(res.stdout)}
     assert list(report) == ["driver loaded", "ld cache", "versions match", "NVML", "device nodes", "cgroups",
-                            "persistence", "CDI specs", "hooks", "hook server"]
-    for name in ("driver loaded", "ld cache", "versions match", "NVML", "device nodes", "persistence"):
+                            "ldconfig", "persistence", "CDI specs", "hooks", "hook server"]
+    for name in ("driver loaded", "ld cache", "versions match", "NVML", "device nodes", "ldconfig", "persistence"):
         assert report[name]["verdict"] == OK, report[name]
     assert report["NVML"]["detail"] == "driver 550.54.14, 2 GPU(s)"
+    assert report["ldconfig"]["detail"] == "/sbin/ldconfig: a static binary, run sealed in each container"
     assert report["device nodes"]["detail"] == "5 present with the driver's numbers"
     assert report["CDI specs"]["verdict"] == SKIP
     text = run_doctor(fake_machine, "--spec-dir", str(tmp_path)).stdout
@@ -217,3 +218,22 @@ def test_hook_server_is_probed(tmp_path):
     path.unlink()
     path.write_text("")
     assert doctor.serve_state(str(path)) == "absent"
+
+
+def test_a_script_for_ldconfig_fails(fake_machine, tmp_path):
+    """The default as on Ubuntu without the binary beside the script (or a configuration that
+    names a script): the hook's own check, so doctor says what every GPU start would meet."""
+    script = tmp_path / "ldconfig"
+    script.write_text('#!/bin/sh\nexec /sbin/ldconfig.real "$@"\n')
+    script.chmod(0o755)
+    config = tmp_path / "config.toml"
+    config.write_text(f'ldconfig = "@{script}"\n')
+    res = run_in_fake_proc(fake_machine, [*CLI, "--root", str(fake_machine.root), "--config", str(config), "doctor",
+                                          "--json", "--spec-dir", str(tmp_path)],
+                           capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    check = next(c for c in json.loads(res.stdout) if c["name"] == "ldconfig")
+    assert check["verdict"] == FAIL
+    assert check["detail"].startswith(f"{script}: not an ELF file: every GPU container would be refused")
+    assert 'set ldconfig = "@PATH"' in check["fix"]
+    assert res.stderr == "nvcontainer: doctor error: 1 check(s) failed: ldconfig\n"

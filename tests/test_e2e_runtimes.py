@@ -115,6 +115,53 @@ def test_bad_requests_refuse_to_start(machine, tmp_path, env, expected):
     assert not (bundle / "rootfs/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14").exists()
 
 
+def need_overlay():
+    with open("/proc/filesystems") as f:
+        if "\toverlay\n" not in f.read():
+            pytest.skip("no overlay filesystem here")
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["in-process", "served"])
+def test_ubuntu_ldconfig_script_runs_the_binary_beside_it(machine, tmp_path, served, native_client):
+    """Ubuntu's /sbin/ldconfig is a shell script that execs /sbin/ldconfig.real. The default
+    ``@/sbin/ldconfig`` means the binary there, as nvidia-container-toolkit normalises it: a
+    script cannot run in the sandbox, and every GPU container on Ubuntu was refused with
+    "/sbin/ldconfig: not an ELF file". Served too: the server prepares its sealed copy of
+    the same program."""
+    need("runc")
+    need_overlay()
+    (tmp_path / "sbin").mkdir()
+    wrap = runtime.ubuntu_sbin(tmp_path / "sbin")
+    sock, trace = tmp_path / "srv" / "hook.sock", tmp_path / "hook.log"
+
+    def served_hook(spec):
+        entry = spec["hooks"]["prestart"][1]
+        entry["path"] = native_client
+        entry["args"] = [native_client, "--socket", str(sock), "--root", str(machine.root), "--debug", str(trace),
+                         "prestart"]
+
+    if served:
+        sock.parent.mkdir(mode=0o700)
+        wrap += runtime.server_beside(machine, sock)
+    bundle = runtime.make_bundle(tmp_path, machine, ["NVIDIA_VISIBLE_DEVICES=0"], CHECKS,
+                                 extra_spec=served_hook if served else None)
+    res = runtime.run_container(machine, bundle, wrap=wrap)
+    assert_gpu0_container(res, machine)   # LDCONFIG: the container's cache lists the driver
+    if served:
+        assert "(served by nvcontainer serve, pid " in trace.read_text()
+        assert "ldconfig not prepared" not in (sock.parent / "serve.log").read_text()
+
+
+def test_ubuntu_ldconfig_script_without_the_binary_is_refused(machine, tmp_path):
+    need("runc")
+    need_overlay()
+    (tmp_path / "sbin").mkdir()
+    bundle = runtime.make_bundle(tmp_path, machine, ["NVIDIA_VISIBLE_DEVICES=0"], "echo STARTED")
+    res = runtime.run_container(machine, bundle, wrap=runtime.ubuntu_sbin(tmp_path / "sbin", real=False))
+    assert res.returncode != 0 and "STARTED" not in res.stdout
+    assert "nvcontainer-hook: ldcache error: /sbin/ldconfig: not an ELF file" in res.stderr, res.stderr
+
+
 def test_repeated_starts_of_one_bundle(machine, tmp_path):
     need("runc")
     bundle = runtime.make_bundle(tmp_path, machine, ["NVIDIA_VISIBLE_DEVICES=0"], CHECKS)

@@ -759,7 +759,8 @@ def run_runtime(machine, workdir: Path, image: Callable[[Path], None] | None = N
     _image_extras(rootfs, machine)
     if image:
         image(rootfs)
-    res = rt.run_container(machine, bundle, runtime=runtime, timeout=RUN_SECONDS, serve=sock)
+    res = rt.run_container(machine, bundle, runtime=runtime, timeout=RUN_SECONDS,
+                           wrap=rt.server_beside(machine, sock) if served else ())
     outcome = Outcome(f"{runtime}-{tag}", res.returncode, res.stdout, runtime_stderr=res.stderr,
                       facts=parse_facts(res.stdout), hook_ran=record.exists(), rootfs=rootfs)
     if served:
