@@ -213,14 +213,13 @@ def cdi() -> None:
 def cdi_generate(obj: _Context, output, fmt, strategies, vendor, cls, no_all_device, hook_path) -> None:
     """A CDI spec for the driver and every GPU and MIG device."""
     from .cdi import commands, generate, store
-    from .config import host_ldconfig
 
     hook = hook_path or commands.default_hook_path()
     inv = obj.inventory()
     opts = generate.Options(
         hook_path=hook, vendor=vendor, cls=cls,
         strategies=tuple(dict.fromkeys(strategies)) or generate.DEFAULT_STRATEGIES, all_device=not no_all_device,
-        ldconfig=host_ldconfig(obj.config.ldconfig).removeprefix("@"), allow=obj.allow_list(inv),
+        ldconfig=obj.config.ldconfig_program(), allow=obj.allow_list(inv),
     )
     text = commands.generate_spec(inv, opts, store.format_for(output, fmt), output)
     if text is not None:
@@ -374,10 +373,9 @@ def setup(obj: _Context, engine, dry_run, prefix, with_cdi, hook_path, served, p
     spec = None
     if with_cdi:
         from .cdi import generate
-        from .config import host_ldconfig
 
         inv = obj.inventory()
-        opts = generate.Options(hook_path=hook, ldconfig=host_ldconfig(obj.config.ldconfig).removeprefix("@"),
+        opts = generate.Options(hook_path=hook, ldconfig=obj.config.ldconfig_program(),
                                 allow=obj.allow_list(inv))
         spec = commands.generate_spec(inv, opts, "yaml", None)
     steps = engines.steps(engine, hook, os.path.dirname(hook), spec, serve)

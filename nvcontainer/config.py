@@ -99,6 +99,10 @@ class Config:
             changes["user"] = _user(user, "--user")
         return replace(self, **changes)
 
+    def ldconfig_program(self) -> str:
+        """The host path of the ldconfig a run executes: :func:`host_ldconfig` of ``ldconfig``."""
+        return host_ldconfig(self.ldconfig).removeprefix("@")
+
 
 LDCONFIG = "/sbin/ldconfig"
 LDCONFIG_REAL = "/sbin/ldconfig.real"

@@ -353,9 +353,8 @@ def _cgroup_facts(proc: str) -> dict:
 def _ldconfig_facts(config) -> dict:
     """The very check a hook makes before its first run (a sealed copy, a static ELF)."""
     from .apply import ldconfig
-    from .config import host_ldconfig
 
-    program = host_ldconfig(config.ldconfig).removeprefix("@")
+    program = config.ldconfig_program()
     try:
         ldconfig.prepare(program)
     except NvcError as exc:

@@ -98,10 +98,9 @@ def _prepare_ldconfig(cfg) -> None:
     """The sealed copy of the host's ldconfig, made once here and inherited by every child (each
     run re-checks it with one stat, and copies again only if the host file changed)."""
     from .apply import ldconfig
-    from .config import host_ldconfig
 
     try:
-        ldconfig.prepare(host_ldconfig(cfg.ldconfig).removeprefix("@"))
+        ldconfig.prepare(cfg.ldconfig_program())
     except NvcError as exc:
         log.warning(f"ldconfig not prepared: {exc.detail}")
 
