@@ -197,12 +197,16 @@ def _update_ldcache(pinned, rootfs: str, opts: dict, owner, end: float) -> None:
     program = host_ldconfig(opts.get("ldconfig", LDCONFIG))
     if not program.startswith("/"):
         raise NvcError("input", f"--ldconfig-path {escape(program)}: must be an absolute host path")
+    # An image without /etc/ld.so.conf gets upstream's one line, so that an ldconfig run later in
+    # the container reads the drop-in too; one it has is never touched.
+    conf = {"op": "file", "target": "/etc/ld.so.conf", "content": "include /etc/ld.so.conf.d/*.conf\n", "mode": 0o644,
+            "keep": True}
     drop_in = {"op": "file", "target": DROP_IN, "content": "".join(f + "\n" for f in folders), "mode": 0o644}
     # validates the folders (absolute, bounded, no option-like names) before anything is placed
     job = ldconfig.prepare_run(rootfs, folders, ldconfig_host_path=program, uid=owner[0], gid=owner[1])
     try:
-        running = worker.start(execute.place_then_ldconfig, pinned.mntns_fd, rootfs, [drop_in], list(owner), [], job,
-                               deadline=_left(end, "mount"), name="mount worker", category="mount",
+        running = worker.start(execute.place_then_ldconfig, pinned.mntns_fd, rootfs, [conf, drop_in], list(owner), [],
+                               job, deadline=_left(end, "mount"), name="mount worker", category="mount",
                                keep_fds=[pinned.mntns_fd, job.exe])
         try:
             execute.log_placed(running.next_stage(), rootfs)

@@ -628,3 +628,37 @@ def test_update_ldcache_hook_checks_ldconfig_before_placing_anything(plain, cont
     assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
     assert "/nowhere/ldconfig" in res.stderr, res.stderr
     assert not (rootfs / "etc/ld.so.conf.d/00-nvcontainer-cdi.conf").exists()
+
+
+@pytest.mark.parametrize("image", ["none", "own", "link-to-host", "dangling-link"])
+def test_update_ldcache_hook_gives_an_image_without_ld_so_conf_one(plain, container, tmp_path, image):
+    """As upstream's hook: an image with no /etc/ld.so.conf gets ``include
+    /etc/ld.so.conf.d/*.conf``, so that an ldconfig run later in the container keeps the
+    drop-in's folders. Whatever an image has at that name stays exactly as it was: its own
+    file, or a link (to a host file that must not be written through, or to nothing)."""
+    pid, bundle, rootfs = container
+    conf = rootfs / "etc/ld.so.conf"
+    host_file = tmp_path / "host-ld.so.conf"
+    host_file.write_text("host\n")
+    conf.unlink()
+    if image == "own":
+        conf.write_text("/opt/image-libs\n")
+    elif image == "link-to-host":
+        conf.symlink_to(host_file)
+    elif image == "dangling-link":
+        conf.symlink_to("/nowhere/ld.so.conf")
+    libdir = rootfs / "opt/nv"
+    libdir.mkdir(parents=True)
+    shutil.copy(plain.root / "usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14", libdir)
+    res = run_hook(plain, pid, bundle, "update-ldcache", "--folder", "/opt/nv")
+    assert res.returncode == 0, res.stderr
+    if image == "none":
+        assert conf.read_text() == "include /etc/ld.so.conf.d/*.conf\n" and not conf.is_symlink()
+    elif image == "own":
+        assert conf.read_text() == "/opt/image-libs\n"
+    else:
+        assert os.readlink(conf) == (str(host_file) if image == "link-to-host" else "/nowhere/ld.so.conf")
+    assert host_file.read_text() == "host\n"
+    assert not list((rootfs / "etc").glob(".nvcontainer-*"))   # no temporary left behind
+    entries = {(e.key, e.value) for e in ldcache.read(str(rootfs / "etc/ld.so.cache"))}
+    assert ("libcuda.so.1", "/opt/nv/libcuda.so.1") in entries

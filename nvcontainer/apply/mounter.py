@@ -385,7 +385,9 @@ def _symlink(parents: _Parents, action: dict, warnings: list[str]) -> None:
 
 def _file(parents: _Parents, action: dict) -> None:
     """Write a small file atomically: a fresh temporary in the same verified directory, then a
-    rename over the name (rename replaces a symlink entry itself, never its target)."""
+    rename over the name (rename replaces a symlink entry itself, never its target). With
+    ``keep``, only where the name is free: whatever the image has there, a dangling link
+    included, stays as it is (``RENAME_NOREPLACE``, never a check-then-write)."""
     import secrets   # only plans with files need it; it costs a start without them ~8 ms
 
     dfd, name = parents.of(action["target"])
@@ -401,7 +403,11 @@ def _file(parents: _Parents, action: dict) -> None:
         raise
     os.close(fd)
     try:
-        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except OSError:
+        if action.get("keep"):
+            syscalls.renameat2(dfd, tmp, dfd, name, syscalls.RENAME_NOREPLACE)
+        else:
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except OSError as exc:
         os.unlink(tmp, dir_fd=dfd)
-        raise
+        if not (action.get("keep") and exc.errno == errno.EEXIST):
+            raise
