@@ -102,17 +102,26 @@ def interleaved(step: dict) -> dict:
     return _round_robin(arms, len(step["arms"][arms[0]]), lambda arm, i: run_container(step["arms"][arm][i]))
 
 
+def _results(keys) -> dict:
+    return {key: {"ms": [], "failures": []} for key in keys}
+
+
+def _record(entry: dict, result: tuple) -> None:
+    """One run's ``(ms, rc, err)``: its time if it exited 0, else its error."""
+    ms, rc, err = result
+    if rc == 0:
+        entry["ms"].append(ms)
+    else:
+        entry["failures"].append(err)
+
+
 def _round_robin(names: list[str], rounds: int, run) -> dict:
     """``run(name, i)`` for every name in every round, the first name rotating; the times of
     the runs that exited 0, the errors of the others."""
-    out = {name: {"ms": [], "failures": []} for name in names}
+    out = _results(names)
     for i in range(rounds):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            ms, rc, err = run(name, i)
-            if rc == 0:
-                out[name]["ms"].append(ms)
-            else:
-                out[name]["failures"].append(err)
+            _record(out[name], run(name, i))
     return out
 
 
@@ -165,7 +174,7 @@ def after_reboot(step: dict) -> dict:
     leaves behind (a file written in the previous boot): the first start takes the real path,
     read, reject as stale, lock, initialise NVML, rebuild, replace.
     """
-    out = {key: {"ms": [], "failures": []} for key in ("first", "later", "fast")}
+    out = _results(("first", "later", "fast"))
     bundles = iter(step["bundles"])
     try:
         for _ in range(step["rounds"]):
@@ -174,11 +183,7 @@ def after_reboot(step: dict) -> dict:
             plan = ["first"] + ["later", "fast"] * step["later"]
             for key in plan:
                 set_nvml_delay(step["nvml_config"], 0 if key == "fast" else step["delay_ms"])
-                ms, rc, err = run_container(next(bundles))
-                if rc == 0:
-                    out[key]["ms"].append(ms)
-                else:
-                    out[key]["failures"].append(err)
+                _record(out[key], run_container(next(bundles)))
     finally:
         set_nvml_delay(step["nvml_config"], 0)
     return out
@@ -383,15 +388,11 @@ def after_reboot_served(step: dict) -> dict:
     * ``stale``: the cache entry made stale again under the running server (as if the driver or
       the ld cache changed): that request pays NVML itself.
     """
-    out = {key: {"ms": [], "failures": []} for key in ("serve-start", "first", "later", "fast", "stale")}
+    out = _results(("serve-start", "first", "later", "fast", "stale"))
     bundles = iter(step["bundles"])
 
     def one(key: str) -> None:
-        ms, rc, err = run_container(next(bundles))
-        if rc == 0:
-            out[key]["ms"].append(ms)
-        else:
-            out[key]["failures"].append(err)
+        _record(out[key], run_container(next(bundles)))
 
     try:
         for _ in range(step["rounds"]):
