@@ -282,17 +282,24 @@ def test_tmpfs_bad_option_is_an_oserror():
     run_in_private_ns(body)
 
 
+def shared_volume(layout) -> None:
+    """In a private namespace (a test's ``body``): ``rootfs/vol`` a tmpfs with shared
+    propagation and a peer at ``peer``, as a container's volume whose peer is on the host."""
+    vol, peer = layout / "rootfs" / "vol", layout / "peer"
+    vol.mkdir()
+    peer.mkdir()
+    syscalls.mount("tmpfs", str(vol), "tmpfs", 0)
+    syscalls.mount(None, str(vol), None, syscalls.MS_SHARED)
+    syscalls.mount(str(vol), str(peer), None, syscalls.MS_BIND)
+
+
 def test_shared_parent_is_detected(layout):
     """A mount made below a shared mount shows up at its peers (for a container: on the host),
     which is why callers must be able to tell."""
     rootfs, src = layout / "rootfs", layout / "host" / "lib"
-    (rootfs / "vol").mkdir()
-    (layout / "peer").mkdir()
 
     def body():
-        syscalls.mount("tmpfs", str(rootfs / "vol"), "tmpfs", 0)
-        syscalls.mount(None, str(rootfs / "vol"), None, syscalls.MS_SHARED)
-        syscalls.mount(str(rootfs / "vol"), str(layout / "peer"), None, syscalls.MS_BIND)
+        shared_volume(layout)
         root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY)
         in_vol = mkdirs_in_root(root_fd, "vol/lib")
         assert mount_info_of(in_vol).shared
@@ -380,13 +387,9 @@ def test_mount_table_rereads_after_a_change_it_did_not_make(layout, monkeypatch)
 
 def test_mount_table_sees_a_shared_mount(layout):
     rootfs = layout / "rootfs"
-    (rootfs / "vol").mkdir()
-    (layout / "peer").mkdir()
 
     def body():
-        syscalls.mount("tmpfs", str(rootfs / "vol"), "tmpfs", 0)
-        syscalls.mount(None, str(rootfs / "vol"), None, syscalls.MS_SHARED)
-        syscalls.mount(str(rootfs / "vol"), str(layout / "peer"), None, syscalls.MS_BIND)
+        shared_volume(layout)
         root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY)
         table = mounts.MountTable()
         assert table.entry_of(mkdirs_in_root(root_fd, "vol/lib")).shared
@@ -472,14 +475,10 @@ def test_place_refuses_a_shared_target_after_earlier_mounts(layout):
     """The table is read before the first mount; a later target below a shared mount is still
     refused, and what the run had mounted is undone."""
     rootfs, src = layout / "rootfs", layout / "host" / "lib"
-    (rootfs / "vol").mkdir()
-    (layout / "peer").mkdir()
 
     def body():
-        syscalls.mount("tmpfs", str(rootfs / "vol"), "tmpfs", 0)
+        shared_volume(layout)
         (rootfs / "vol/y").write_text("")
-        syscalls.mount(None, str(rootfs / "vol"), None, syscalls.MS_SHARED)
-        syscalls.mount(str(rootfs / "vol"), str(layout / "peer"), None, syscalls.MS_BIND)
         with pytest.raises(NvcError, match="mount /vol/y: .* has shared propagation: refusing"):
             place_here(rootfs, [file_mount(src / "libcuda.so.1", "/usr/lib/x"),
                                 file_mount(src / "libcuda.so.1", "/vol/y")])
