@@ -15,7 +15,7 @@ every sample to ``benchmarks/results/<time>.json`` and ``benchmarks/results/late
   hooks from another mount namespace) and stopped with SIGTERM at the world's end:
 
   - "served": the registration ``nvcontainer setup`` writes, the bare client
-    ``python -I -S <package>/nvcontainer/hookclient.py --socket ...`` handing the run to the
+    ``python -I -S <package>/nvcontainer/hook/client.py --socket ...`` handing the run to the
     server; also the console script with ``--socket``, and a container that asks no GPU. The
     targets are judged on these;
   - "in-process": the console script of a production install with no server listening (as

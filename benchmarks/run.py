@@ -108,7 +108,8 @@ PARTS = ("v1", "concurrent", "probes", "commands", "v2", "slow")
 # What a GPU container's hook run imports: the standard modules our code is written with (the
 # floor of any hook in this style), then all of our modules on that path.
 STDLIB_FLOOR = "json, re, dataclasses, ctypes, typing, fcntl, select, signal, resource, struct"
-HOT_MODULES = ("nvcontainer.hook, nvcontainer.config, nvcontainer.oci, nvcontainer.request, nvcontainer.configure, "
+HOT_MODULES = ("nvcontainer.hook.main, nvcontainer.hook.prestart, nvcontainer.config.model, nvcontainer.request.oci, "
+               "nvcontainer.request.decide, nvcontainer.plan.gather, "
                "nvcontainer.inventory.cache, nvcontainer.apply.execute, nvcontainer.apply.ldconfig, "
                "nvcontainer.cgroups.v1")
 

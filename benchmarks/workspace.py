@@ -10,7 +10,7 @@
 * A socket directory per world for the resident ``nvcontainer serve`` (root-owned, 0700, as the
   server demands), and the registrations that reach it: the ones ``nvcontainer setup --serve``
   writes (the native client it builds with the node's C compiler, and without a compiler the
-  bare Python client ``python -I -S <package>/nvcontainer/hookclient.py --socket ...``) and the
+  bare Python client ``python -I -S <package>/nvcontainer/hook/client.py --socket ...``) and the
   console script with ``--socket``.
 * OCI bundles: one per container run, each with a fresh copy (hard links) of a busybox rootfs,
   as an engine gives every container a fresh rootfs; ``/proc/driver`` is a tmpfs from the spec,
@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from nvcontainer import nativeclient
+from nvcontainer.native import build as nativeclient
 from tests.fixtures.fakegpu import FakeSpec, build
 from tests.fixtures.fakegpu.build import FakeMachine
 from tests.fixtures.runtime import busybox_rootfs
@@ -108,7 +108,7 @@ class Workspace:
 
     def client_argv(self, machine: FakeMachine, socket: Path, *, native: bool = True) -> list[str]:
         program = [str(self.native_client)] if native else \
-            [str(self.python), "-I", "-S", str(self.package_dir / "nvcontainer" / "hookclient.py")]
+            [str(self.python), "-I", "-S", str(self.package_dir / "nvcontainer" / "hook" / "client.py")]
         return [*program, "--socket", str(socket), "--root", str(machine.root), "prestart"]
 
     def socket(self, world: str) -> Path:
@@ -171,7 +171,7 @@ def production_venv(dest: Path, tree: Path = REPO) -> tuple[Path, Path, Path]:
     deps = sysconfig.get_paths()["purelib"]   # where this (development) interpreter has click, pynvml, ...
     Path(purelib, "nvcontainer-bench.pth").write_text(f"{tree}\n{deps}\n")
     scripts = {}
-    for name, target in (("nvcontainer-hook", "nvcontainer.hook:main"), ("nvcontainer", "nvcontainer.cli:main")):
+    for name, target in (("nvcontainer-hook", "nvcontainer.hook.main:main"), ("nvcontainer", "nvcontainer.cli.main:main")):
         module, function = target.split(":")
         path = dest / "bin" / name
         path.write_text(f"#!{python}\n" + CONSOLE_SCRIPT.format(module=module, function=function))

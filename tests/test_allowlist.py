@@ -11,15 +11,16 @@ import sys
 
 import pytest
 
-from nvcontainer import views
-from nvcontainer.config import Config, parse
-from nvcontainer.configure import host_proc, options_from_config
+from nvcontainer.cli import views
+from nvcontainer.config.load import parse
+from nvcontainer.config.model import Config
+from nvcontainer.plan.gather import host_proc, options_from_config
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build
 from nvcontainer.plan.build import build_plan
 from nvcontainer.plan.container import ContainerFacts
-from nvcontainer.request import request_from_env, request_from_options
-from nvcontainer.selection import allow_list, held_back, select
+from nvcontainer.request.decide import request_from_env, request_from_options
+from nvcontainer.request.selection import allow_list, held_back, select
 from tests.fixtures.fakegpu import FakeSpec
 
 DEBIAN = ContainerFacts(libs_dir="/usr/lib/x86_64-linux-gnu", libs32_dir="/usr/lib/i386-linux-gnu", debian=True)

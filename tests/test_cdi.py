@@ -21,7 +21,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nvcontainer import __version__, cdi_hooks, hook
+from nvcontainer import __version__
+from nvcontainer.hook import cdi as cdi_hooks, main as hook
 from nvcontainer.cdi import check, generate, spec, store, yamltext
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory import ldcache

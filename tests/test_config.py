@@ -2,8 +2,10 @@ import os
 
 import pytest
 
-from nvcontainer import config as cfg
-from nvcontainer.config import Config, load, parse
+from nvcontainer.config import model as cfg
+from nvcontainer.config import load as loading
+from nvcontainer.config.load import load, parse
+from nvcontainer.config.model import Config
 from nvcontainer.errors import NvcError
 
 
@@ -126,14 +128,14 @@ def test_load_explicit_missing_file_is_an_error(tmp_path):
 
 
 def test_load_missing_default_is_defaults(tmp_path, monkeypatch):
-    monkeypatch.setattr(cfg, "DEFAULT_PATH", str(tmp_path / "absent.toml"))
+    monkeypatch.setattr(loading, "DEFAULT_PATH", str(tmp_path / "absent.toml"))
     assert load() == Config()
 
 
 def test_load_default_file(tmp_path, monkeypatch):
     path = tmp_path / "config.toml"
     path.write_text('swarm-resource = "DOCKER_RESOURCE_GPU"\n')
-    monkeypatch.setattr(cfg, "DEFAULT_PATH", str(path))
+    monkeypatch.setattr(loading, "DEFAULT_PATH", str(path))
     assert load().swarm_resource == ("DOCKER_RESOURCE_GPU",)
 
 
@@ -150,7 +152,7 @@ def test_load_rejects_non_regular_and_oversized(tmp_path):
     with pytest.raises(NvcError, match="not a regular file"):
         load(str(fifo))
     big = tmp_path / "big.toml"
-    big.write_text("# " + "x" * cfg.CONFIG_CAP)
+    big.write_text("# " + "x" * loading.CONFIG_CAP)
     with pytest.raises(NvcError, match="larger than"):
         load(str(big))
     bad = tmp_path / "bad.toml"

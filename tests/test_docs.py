@@ -20,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from nvcontainer import config, hook, request
+from nvcontainer.config import load as config
+from nvcontainer.config.model import Config
+from nvcontainer.hook import prestart as hook
+from nvcontainer.request import decide as request
 from nvcontainer.inventory import catalog
 from nvcontainer.plan import model
 
@@ -96,7 +99,7 @@ def _toml_keys() -> dict[str, str]:
 
 def test_every_config_key_is_documented_and_nothing_else():
     keys = _toml_keys()
-    fields = [f.name for f in dataclasses.fields(config.Config)]
+    fields = [f.name for f in dataclasses.fields(Config)]
     missing = [f for f in fields if f not in keys]
     assert not missing, f"Config fields without a TOML key: {missing}"
     text = section(CONFIG_PAGE.read_text(), ".SH KEYS")
@@ -110,7 +113,7 @@ def test_config_example_is_a_valid_config():
     text = section(CONFIG_PAGE.read_text(), ".SH EXAMPLE")
     block = text.split(".nf\n", 1)[1].split("\n.fi", 1)[0]
     cfg = config.parse(block.replace("\\-", "-"), "example")
-    assert cfg != config.Config()
+    assert cfg != Config()
     assert cfg.accept_envvar_unprivileged is False and cfg.accept_volume_mounts is True
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from nvcontainer import doctor
+from nvcontainer.doctor import checks as doctor, gather, registrations
 from nvcontainer.cdi.check import Verdict
-from nvcontainer.doctor import FAIL, OK, SKIP, WARN, Facts, Node
+from nvcontainer.doctor.checks import FAIL, OK, SKIP, WARN, Facts, Node
 from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
 
 CLI = [sys.executable, "-m", "nvcontainer"]
@@ -121,12 +121,12 @@ def test_registrations_are_read_from_engine_configs(tmp_path):
     (tmp_path / "etc/containerd/config.toml").write_text(
         '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia.options]\n'
         '  BinaryName = "/usr/bin/nvidia-container-runtime"\n')
-    assert doctor.registrations(str(tmp_path)) == [
+    assert registrations.registrations(str(tmp_path)) == [
         ("podman/CRI-O", "nvcontainer hook /usr/local/bin/nvcontainer-hook", "/etc/containers/oci/hooks.d/nvcontainer.json"),
         ("docker", "nvidia-container-toolkit runtime 'nvidia' (/usr/bin/nvidia-container-runtime)", "/etc/docker/daemon.json"),
         ("containerd", "nvidia-container-toolkit runtime /usr/bin/nvidia-container-runtime", "/etc/containerd/config.toml"),
     ]
-    assert doctor.registrations(str(tmp_path / "empty")) == []
+    assert registrations.registrations(str(tmp_path / "empty")) == []
 
 
 def test_node_facts_compare_numbers(fake_machine, tmp_path):
@@ -134,7 +134,7 @@ def test_node_facts_compare_numbers(fake_machine, tmp_path):
     (tmp_path / "dev").mkdir()
     os.mknod(tmp_path / "dev/nvidiactl", 0o666 | 0o020000, os.makedev(195, 255))
     os.mknod(tmp_path / "dev/nvidia0", 0o666 | 0o020000, os.makedev(195, 9))
-    got = {n.path: (n.expected, n.found) for n in doctor._node_facts(str(tmp_path), str(fake_machine.proc))}
+    got = {n.path: (n.expected, n.found) for n in gather._node_facts(str(tmp_path), str(fake_machine.proc))}
     assert got[f"{tmp_path}/dev/nvidiactl"] == ((195, 255), ("c", 195, 255))
     assert got[f"{tmp_path}/dev/nvidia0"] == ((195, 0), ("c", 195, 9))
     assert got[f"{tmp_path}/dev/nvidia1"] == ((195, 1), None)
@@ -208,16 +208,16 @@ def test_hook_server_is_probed(tmp_path):
     import socket
 
     path = tmp_path / "hook.sock"
-    assert doctor.serve_state(str(path)) == "absent"
+    assert gather.serve_state(str(path)) == "absent"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(str(path))
     server.listen(1)
-    assert doctor.serve_state(str(path)) == "listening"
+    assert gather.serve_state(str(path)) == "listening"
     server.close()
-    assert doctor.serve_state(str(path)) == "stale"
+    assert gather.serve_state(str(path)) == "stale"
     path.unlink()
     path.write_text("")
-    assert doctor.serve_state(str(path)) == "absent"
+    assert gather.serve_state(str(path)) == "absent"
 
 
 def test_a_script_for_ldconfig_fails(fake_machine, tmp_path):

@@ -132,7 +132,7 @@ def test_hook_imports_stay_lean(fake_machine, bundle, pid):
     """The hook's own process must not import click, pyelftools or pynvml (NVML runs in a child)."""
     write_config(bundle, ["NVIDIA_VISIBLE_DEVICES=0"])
     code = ("import sys, runpy; sys.argv=['nvcontainer-hook','--root',sys.argv[1],'--dry-run','prestart']\n"
-            "from nvcontainer import hook\n"
+            "from nvcontainer.hook import main as hook\n"
             "rc = hook.main(sys.argv[1:])\n"
             "bad = [m for m in ('click','elftools','pynvml') if m in sys.modules]\n"
             "sys.stderr.write('LOADED:' + ','.join(bad) + '\\n'); sys.exit(rc)\n")

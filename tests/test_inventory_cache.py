@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from nvcontainer import log
-from nvcontainer.config import Config
+from nvcontainer.config.model import Config
 from nvcontainer.errors import NvcError
-from nvcontainer.inventory import cache
+from nvcontainer.inventory import cache, cachefile
 from nvcontainer.inventory.build import build
 from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.fakegpu import build as build_machine
@@ -369,13 +369,13 @@ def test_rewrite_is_an_atomic_replace(machine, cache_dir):
 
 def test_directory_stays_bounded(machine, cache_dir):
     cache_dir.mkdir(mode=0o700)
-    for i in range(cache.MAX_ENTRIES + 5):
+    for i in range(cachefile.MAX_ENTRIES + 5):
         (cache_dir / f"{cache.PREFIX}{i:08x}.json").write_text("{}")
     stale_tmp = cache_dir / ".inventory-x.json.1.tmp"
     stale_tmp.write_text("")
     os.utime(stale_tmp, (0, 0))
     inventory(machine, config_for(machine, cache_dir))
-    assert len(entries(cache_dir)) == cache.MAX_ENTRIES
+    assert len(entries(cache_dir)) == cachefile.MAX_ENTRIES
     assert not stale_tmp.exists()
     assert cache.entry_name(cache._inputs(config_for(machine, cache_dir))) in [p.name for p in entries(cache_dir)]
 

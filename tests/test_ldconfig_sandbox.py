@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from nvcontainer.apply import ldconfig
+from nvcontainer.apply import ldconfig, sandbox, sealed
 from nvcontainer.apply.ldconfig import run_ldconfig, static_elf_problem
 from nvcontainer.errors import NvcError
 from tests.fixtures.namespaces import private_mount_sleeper
@@ -235,8 +235,8 @@ def test_include_loop_ends_quickly(container, tmp_path, built):
 def test_include_explosion_is_stopped_by_the_cpu_limit(container, tmp_path, built, monkeypatch):
     """Two includes of itself per level make 2**depth reads: the fd limit bounds the depth but
     not the work. The CPU rlimit does (10 s in production; 1 s here to keep the test short)."""
-    short = tuple((which, 1 if which == resource.RLIMIT_CPU else value) for which, value in ldconfig.RLIMITS)
-    monkeypatch.setattr(ldconfig, "RLIMITS", short)
+    short = tuple((which, 1 if which == resource.RLIMIT_CPU else value) for which, value in sandbox.RLIMITS)
+    monkeypatch.setattr(sandbox, "RLIMITS", short)
     rootfs = make_rootfs(tmp_path, built)
     with open(f"{rootfs}/etc/ld.so.conf", "a") as fh:
         fh.write("include /etc/ld.so.conf\n")
@@ -618,7 +618,7 @@ def test_prepare_refuses_what_a_run_would(program, problem):
 
 def test_copy_is_bounded(tmp_path, monkeypatch):
     """By the size the file claims, and by what it really holds (procfs files claim 0)."""
-    monkeypatch.setattr(ldconfig, "MAX_BINARY", 4096)
+    monkeypatch.setattr(sealed, "MAX_BINARY", 4096)
     big = tmp_path / "big"
     big.write_bytes(b"\x7fELF" + b"\0" * 5000)
     with open("/proc/self/maps", "rb") as fh:

@@ -1,4 +1,4 @@
-"""The native hook client (``nvcontainer/hookclient.c``) against its specification, ``hookclient.py``.
+"""The native hook client (``nvcontainer/native/hookclient.c``) against its specification, ``nvcontainer/hook/client.py``.
 
 Both clients are run as a runtime runs a hook, against a recording server in this process that
 answers what each case needs, and must send the same request and say and return the same
@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from nvcontainer import hookclient, nativeclient
+from nvcontainer.hook import client as hookclient
+from nvcontainer.native import build as nativeclient
 from nvcontainer.errors import NvcError
 
 REPO = Path(__file__).resolve().parent.parent
-PY_CLIENT = [sys.executable, "-I", "-S", str(REPO / "nvcontainer" / "hookclient.py")]
+PY_CLIENT = [sys.executable, "-I", "-S", str(REPO / "nvcontainer" / "hook" / "client.py")]
 
 
 @pytest.fixture

@@ -6,9 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nvcontainer.errors import NvcError
-from nvcontainer.oci import (
-    PID_MAX_LIMIT, Mount, parse_spec, parse_state, read_spec, read_state,
-)
+from nvcontainer.request.oci import PID_MAX_LIMIT, Mount, parse_spec, parse_state, read_spec, read_state
 
 
 def state(**fields) -> bytes:

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from nvcontainer.config import Config
-from nvcontainer.configure import host_proc
+from nvcontainer.config.model import Config
+from nvcontainer.plan.gather import host_proc
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build
 from nvcontainer.plan.build import COMPAT_DROP_IN, PlanOptions, build_plan
 from nvcontainer.plan.container import CompatLib, ContainerFacts
-from nvcontainer.request import request_from_env, request_from_options
+from nvcontainer.request.decide import request_from_env, request_from_options
 from tests.fixtures.fakegpu import FakeSpec
 
 DEBIAN = ContainerFacts(libs_dir="/usr/lib/x86_64-linux-gnu", libs32_dir="/usr/lib/i386-linux-gnu", debian=True)

@@ -2,12 +2,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nvcontainer.config import Config
+from nvcontainer.config.model import Config
 from nvcontainer.errors import NvcError
-from nvcontainer.oci import Mount
-from nvcontainer.request import (
-    CAPABILITIES, MAX_IDS, MAX_VALUE, Request, device_kind, request_from_env, request_from_options,
-)
+from nvcontainer.request.oci import Mount
+from nvcontainer.request.decide import CAPABILITIES, MAX_IDS, MAX_VALUE, Request, device_kind, request_from_env, request_from_options
 
 CFG = Config()
 

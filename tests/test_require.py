@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nvcontainer.errors import NvcError
-from nvcontainer.require import MAX_EXPRESSIONS, MAX_LENGTH, evaluate, parse
+from nvcontainer.request.require import MAX_EXPRESSIONS, MAX_LENGTH, evaluate, parse
 
 TESLA_A100 = ("8.0", "Tesla", "0 (GPU-aaaa)")
 GEFORCE_T4 = ("7.5", "GeForce", "1 (GPU-bbbb)")

@@ -30,7 +30,7 @@ from tests.test_dry_run import bundle, pid, write_config  # noqa: F401 (fixtures
 from tests.fixtures.fakegpu.runner import fake_proc_command
 
 REPO = Path(__file__).resolve().parent.parent
-CLIENT = str(REPO / "nvcontainer" / "hookclient.py")
+CLIENT = str(REPO / "nvcontainer" / "hook" / "client.py")
 SERVED = "(served by nvcontainer serve, pid "
 IN_PROCESS = [sys.executable, "-I", "-m", "nvcontainer.hook"]
 
@@ -446,7 +446,7 @@ def test_runtime_starts_a_gpu_container_through_the_server(fake_machine, tmp_pat
 
 def test_podman_runs_the_client_that_setup_registers(fake_machine, tmp_path, native_client):
     """hooks.d as ``nvcontainer setup podman --serve`` writes it, the server started beside podman."""
-    from nvcontainer import setup
+    from nvcontainer.setup import engines as setup
 
     sock = str(tmp_path / "srv" / "hook.sock")
     log = tmp_path / "hook.log"
@@ -516,7 +516,7 @@ def test_a_hook_during_the_warm_up_waits_for_a_warm_answer(fake_machine_factory,
 
 
 def test_the_request_format_round_trips_and_rejects_what_is_not_it():
-    from nvcontainer import hookclient as hc
+    from nvcontainer.hook import client as hc
 
     argv = ["--root", "/r w", "--debug", "/tmp/é.log", "prestart"]
     data = hc.encode_request(argv, ["PATH=/bin:/usr/bin", "CUDA_MPS_PIPE_DIRECTORY=/tmp/mps"], 0o027)
@@ -537,7 +537,7 @@ def test_the_request_format_round_trips_and_rejects_what_is_not_it():
                                            st.binary(max_size=256)))
 def test_any_request_bytes_decode_or_raise_value_error(data):
     """The server decodes whatever a client sent: anything but a ValueError would be a crash."""
-    from nvcontainer import hookclient as hc
+    from nvcontainer.hook import client as hc
 
     try:
         pid, umask, argv, env = hc.decode_request(data)

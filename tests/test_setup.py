@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from nvcontainer import doctor, setup
+from nvcontainer.doctor import registrations
+from nvcontainer.setup import engines as setup
 from nvcontainer.errors import NvcError
 
 HOOK = "/opt/nvc/bin/nvcontainer-hook"
@@ -28,7 +29,7 @@ def test_hooks_d_file_is_installed_and_doctor_sees_it(tmp_path, engine):
     assert written["hook"] == {"path": HOOK, "args": ["nvcontainer-hook", "prestart"]}
     assert written["stages"] == ["prestart"] and written["when"] == {"always": True}
     assert report.startswith(f"wrote {f.path}\n")
-    assert [what for _, what, _ in doctor.registrations(str(tmp_path))] == [f"nvcontainer hook {HOOK}"]
+    assert [what for _, what, _ in registrations.registrations(str(tmp_path))] == [f"nvcontainer hook {HOOK}"]
     assert setup.perform(s, prefix=str(tmp_path), stamp="U").startswith(f"unchanged {f.path}")
 
 
@@ -98,7 +99,7 @@ def test_cli_dry_run(tmp_path):
 
 
 def test_serve_installs_the_service_and_registers_the_client(tmp_path):
-    served = setup.Served(python="/opt/nvc/bin/python", client="/opt/nvc/lib/nvcontainer/hookclient.py",
+    served = setup.Served(python="/opt/nvc/bin/python", client="/opt/nvc/lib/nvcontainer/hook/client.py",
                           cli="/opt/nvc/bin/nvcontainer")
     s = setup.steps("podman", HOOK, "/opt/nvc/bin", served=served)
     setup.perform(s, prefix=str(tmp_path), stamp="T")
@@ -108,7 +109,7 @@ def test_serve_installs_the_service_and_registers_the_client(tmp_path):
     unit = (tmp_path / "etc/systemd/system/nvcontainer-serve.service").read_text()
     assert "ExecStart=/opt/nvc/bin/nvcontainer serve --socket /run/nvcontainer/hook.sock\n" in unit
     assert any("systemctl enable --now nvcontainer-serve.service" in n for n in s.notes)
-    assert [what for _, what, _ in doctor.registrations(str(tmp_path))] == [
+    assert [what for _, what, _ in registrations.registrations(str(tmp_path))] == [
         "nvcontainer hook /opt/nvc/bin/python (client of nvcontainer serve)"]
     for engine in ("runc", "docker", "containerd", "crio"):
         assert setup.UNIT_PATH in [f.path for f in setup.steps(engine, HOOK, "/opt/nvc/bin", served=served).files]
@@ -119,7 +120,7 @@ def test_serve_installs_the_service_and_registers_the_client(tmp_path):
 
 def test_serve_builds_the_native_client_before_registering_it(tmp_path):
     native = "/opt/nvc/bin/nvcontainer-hook-client"
-    served = setup.Served(python=sys.executable, client="/opt/nvc/lib/nvcontainer/hookclient.py",
+    served = setup.Served(python=sys.executable, client="/opt/nvc/lib/nvcontainer/hook/client.py",
                           cli="/opt/nvc/bin/nvcontainer", native=native)
     s = setup.steps("podman", HOOK, "/opt/nvc/bin", served=served)
     assert s.builds == (setup.BuildClient(native, sys.executable),)
@@ -129,12 +130,12 @@ def test_serve_builds_the_native_client_before_registering_it(tmp_path):
     assert os.access(program, os.X_OK) and sys.executable.encode() in program.read_bytes()
     hooks_d = json.loads((tmp_path / "etc/containers/oci/hooks.d/oci-nvcontainer-hook.json").read_text())
     assert hooks_d["hook"] == {"path": native, "args": [native, "prestart"]}
-    assert [what for _, what, _ in doctor.registrations(str(tmp_path))] == [
+    assert [what for _, what, _ in registrations.registrations(str(tmp_path))] == [
         f"nvcontainer hook {native} (client of nvcontainer serve)"]
 
 
 def test_a_failed_build_registers_nothing(tmp_path, monkeypatch):
-    from nvcontainer import nativeclient
+    from nvcontainer.native import build as nativeclient
 
     monkeypatch.setattr(nativeclient, "compiler", lambda: str(tmp_path / "no-cc"))
     served = setup.Served(python=sys.executable, client="c.py", cli="nvcontainer", native="/opt/nvc/bin/client")
@@ -148,9 +149,9 @@ def test_cli_serve_names_this_installation(tmp_path, extra, native):
     res = subprocess.run([*CLI, "setup", "crio", "--serve", *extra, "--dry-run", "--prefix", str(tmp_path),
                           "--hook-path", HOOK], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    import nvcontainer.hookclient
+    import nvcontainer.hook.client
 
-    client = f'"{os.path.abspath(nvcontainer.hookclient.__file__)}",'
+    client = f'"{os.path.abspath(nvcontainer.hook.client.__file__)}",'
     if native:   # this machine has a C compiler (the tests build the mock NVML with it)
         assert res.stdout.startswith("would build /opt/nvc/bin/nvcontainer-hook-client: the native hook client")
         assert '"path": "/opt/nvc/bin/nvcontainer-hook-client"' in res.stdout and client not in res.stdout

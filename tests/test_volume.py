@@ -11,14 +11,15 @@ from dataclasses import replace
 
 import pytest
 
-from nvcontainer import volume
-from nvcontainer.config import Config
-from nvcontainer.configure import host_proc
+from nvcontainer.apply import volume as volumes
+from nvcontainer.plan import volume
+from nvcontainer.config.model import Config
+from nvcontainer.plan.gather import host_proc
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build
 from nvcontainer.plan.build import PlanOptions, build_plan
 from nvcontainer.plan.container import ContainerFacts
-from nvcontainer.request import CAPABILITIES, request_from_env
+from nvcontainer.request.decide import CAPABILITIES, request_from_env
 from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
 
 DEBIAN = ContainerFacts(libs_dir="/usr/lib/x86_64-linux-gnu", libs32_dir="/usr/lib/i386-linux-gnu", debian=True)
@@ -70,7 +71,7 @@ def test_entries_follow_the_inventory(two):
 def test_create_links_the_driver_files_and_rerun_is_a_no_op(two, tmp_path):
     machine, inv = two
     base = base_dir(tmp_path)
-    res = volume.create(base, inv, ALL, compat32=True)
+    res = volumes.create(base, inv, ALL, compat32=True)
     assert res.created and res.copied == 0
     assert res.path == f"{base}/nvidia_{inv.driver_version}"
     want = {e.path: (f"link:{e.target}" if e.target else "file") for e in volume.entries(inv, ALL, True)}
@@ -79,7 +80,7 @@ def test_create_links_the_driver_files_and_rerun_is_a_no_op(two, tmp_path):
     assert os.stat(f"{res.path}/{cuda.path}").st_ino == os.stat(cuda.source).st_ino   # a hard link
     assert stat.S_IMODE(os.stat(res.path).st_mode) == 0o755
     inode = os.stat(res.path).st_ino
-    again = volume.create(base, inv, ALL, compat32=True)
+    again = volumes.create(base, inv, ALL, compat32=True)
     assert not again.created and os.stat(res.path).st_ino == inode
     assert sorted(os.listdir(base)) == [f"nvidia_{inv.driver_version}"]   # no temporary left
 
@@ -87,19 +88,19 @@ def test_create_links_the_driver_files_and_rerun_is_a_no_op(two, tmp_path):
 def test_other_contents_replace_the_volume_and_a_new_version_is_a_new_directory(two, tmp_path):
     machine, inv = two
     base = base_dir(tmp_path)
-    first = volume.create(base, inv, ALL, compat32=True).path
+    first = volumes.create(base, inv, ALL, compat32=True).path
     os.unlink(f"{first}/lib64/libcuda.so.1")   # damaged
-    fixed = volume.create(base, inv, ALL, compat32=True)
+    fixed = volumes.create(base, inv, ALL, compat32=True)
     assert fixed.created and os.readlink(f"{first}/lib64/libcuda.so.1").startswith("libcuda.so.")
-    newer = volume.create(base, replace(inv, driver_version="999.1.2"), frozenset({"utility"}), compat32=False)
+    newer = volumes.create(base, replace(inv, driver_version="999.1.2"), frozenset({"utility"}), compat32=False)
     assert newer.path == f"{base}/nvidia_999.1.2"
-    assert [v.version for v in volume.list_volumes(base)] == sorted([inv.driver_version, "999.1.2"])
-    assert volume.remove(base, "999.1.2") == newer.path
-    assert [v.version for v in volume.list_volumes(base)] == [inv.driver_version]
+    assert [v.version for v in volumes.list_volumes(base)] == sorted([inv.driver_version, "999.1.2"])
+    assert volumes.remove(base, "999.1.2") == newer.path
+    assert [v.version for v in volumes.list_volumes(base)] == [inv.driver_version]
     with pytest.raises(NvcError, match="no volume"):
-        volume.remove(base, "999.1.2")
+        volumes.remove(base, "999.1.2")
     with pytest.raises(NvcError, match="invalid driver version"):
-        volume.remove(base, "../etc")
+        volumes.remove(base, "../etc")
 
 
 def test_copies_across_filesystems(two):
@@ -108,13 +109,13 @@ def test_copies_across_filesystems(two):
         pytest.skip("/dev/shm is on the same filesystem as the fake machine")
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         base = os.path.join(shm, "v")
-        res = volume.create(base, inv, ALL, compat32=False)
+        res = volumes.create(base, inv, ALL, compat32=False)
         files = [e for e in volume.entries(inv, ALL, False) if not e.target]
         assert res.copied == len(files) > 0
         for e in files:
             with open(e.source, "rb") as a, open(f"{res.path}/{e.path}", "rb") as b:
                 assert a.read() == b.read()
-        assert not volume.create(base, inv, ALL, compat32=False).created   # copies are recognised
+        assert not volumes.create(base, inv, ALL, compat32=False).created   # copies are recognised
         assert stat.S_IMODE(os.stat(base).st_mode) == 0o700
 
 
@@ -124,17 +125,17 @@ def test_hostile_base_directories_are_refused(two, tmp_path):
     real.mkdir(mode=0o700)
     os.symlink(real, tmp_path / "link")
     with pytest.raises(NvcError, match="cannot open"):
-        volume.create(str(tmp_path / "link"), inv, ALL, False)
+        volumes.create(str(tmp_path / "link"), inv, ALL, False)
     (tmp_path / "open").mkdir()
     os.chmod(tmp_path / "open", 0o777)
     with pytest.raises(NvcError, match="writable by it only"):
-        volume.create(str(tmp_path / "open"), inv, ALL, False)
+        volumes.create(str(tmp_path / "open"), inv, ALL, False)
     # a planted symlink named like the temporary directory is removed, never followed
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "keep").write_text("x")
     os.symlink(victim, real / f".nvidia_{inv.driver_version}.tmp-{os.getpid()}")
-    volume.create(str(real), inv, ALL, False)
+    volumes.create(str(real), inv, ALL, False)
     assert (victim / "keep").read_text() == "x" and os.listdir(victim) == ["keep"]
 
 

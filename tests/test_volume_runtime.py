@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 
-from nvcontainer import volume
+from nvcontainer.apply import volume as volumes
 from nvcontainer.inventory.build import build
-from nvcontainer.request import CAPABILITIES
+from nvcontainer.request.decide import CAPABILITIES
 from tests.fixtures import runtime
 from tests.fixtures.fakegpu import FakeSpec
 from tests.test_e2e_runtimes import ENXIO, parse
@@ -44,7 +44,7 @@ def test_label_driven_legacy_image_gets_the_volume_and_only_its_gpu(machine, tmp
     base = tmp_path / "volumes"
     base.mkdir(mode=0o700)
     inv = build(str(machine.root), proc=str(machine.proc))
-    built = volume.create(str(base), inv, frozenset(CAPABILITIES) - {"compat32", "display"}, compat32=False)
+    built = volumes.create(str(base), inv, frozenset(CAPABILITIES) - {"compat32", "display"}, compat32=False)
     config = tmp_path / "config.toml"
     config.write_text(f'driver-volume-dir = "{base}"\n')
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from nvcontainer.apply import worker
+from nvcontainer.apply import standby, worker
 from nvcontainer.errors import NvcError
 
 
@@ -337,7 +337,7 @@ def test_next_stage_times_out_under_the_first_name():
 @pytest.fixture
 def no_standby_left():
     yield
-    worker.discard_standby()
+    standby.discard_standby()
 
 
 def job_facts(fd, other):
@@ -355,9 +355,9 @@ def job_facts(fd, other):
 def test_a_standby_takes_the_next_job_as_a_fork_would_have(tmp_path, monkeypatch, no_standby_left):
     """It was forked before the fds, the directory, the umask and the variable below existed:
     the job brings them, onto the same fd numbers, and nothing else."""
-    assert worker.standby()
+    assert standby.standby()
     standby_pid = worker._standby.pid
-    assert not worker.standby()   # one at a time
+    assert not standby.standby()   # one at a time
     (tmp_path / "kept").write_text("kept file")
     kept = os.open(tmp_path / "kept", os.O_RDONLY)
     other = os.open(tmp_path / "kept", os.O_RDONLY)
@@ -380,7 +380,7 @@ def test_a_standby_takes_the_next_job_as_a_fork_would_have(tmp_path, monkeypatch
 
 
 def test_a_job_the_standby_cannot_take_goes_to_a_forked_worker(no_standby_left):
-    assert worker.standby()
+    assert standby.standby()
     standby_pid = worker._standby.pid
     local = lambda: os.getpid()   # noqa: E731 (not picklable, so it cannot be handed over)
     pid = worker.run(local, deadline=5, name="lambda")
@@ -389,7 +389,7 @@ def test_a_job_the_standby_cannot_take_goes_to_a_forked_worker(no_standby_left):
 
 
 def test_a_standby_job_keeps_the_deadline_and_the_group_kill(tmp_path, no_standby_left):
-    assert worker.standby()
+    assert standby.standby()
     pidfile = tmp_path / "grandchild"
     with pytest.raises(NvcError, match="^timeout error: hang: timed out after 1s$"):
         worker.run(hang_with_grandchild, str(pidfile), deadline=1.0, name="hang")
@@ -401,7 +401,7 @@ def test_a_standby_dies_with_its_parent(tmp_path):
     child = os.fork()
     if child == 0:
         try:
-            worker.standby()
+            standby.standby()
             with open(out, "w") as f:
                 f.write(f"{worker._standby.pid}\n")
         finally:
@@ -415,7 +415,7 @@ def test_no_standby_from_a_threaded_process(no_standby_left):
     t = threading.Thread(target=stop.wait)
     t.start()
     try:
-        assert not worker.standby() and worker._standby is None
+        assert not standby.standby() and worker._standby is None
     finally:
         stop.set()
         t.join()

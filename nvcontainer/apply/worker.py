@@ -91,9 +91,8 @@ def start(
     if threading.active_count() > 1:
         raise NvcError("internal", f"{name}: refusing to fork a worker from a multi-threaded process")
     keep = sorted({int(fd) for fd in keep_fds})
-    global _standby
-    if _standby is not None:
-        ready, _standby = _standby, None
+    ready = take_standby()
+    if ready is not None:
         handed = ready.take(fn, args, keep, deadline, name, category, max_reply)
         if handed is not None:
             return handed
@@ -116,7 +115,7 @@ def start(
     try:
         pidfd = os.pidfd_open(pid)
     except OSError as exc:
-        _kill_group(pid)
+        kill_group(pid)
         os.waitpid(pid, 0)
         os.close(rfd)
         raise NvcError(category, f"{name}: cannot watch worker: {exc.strerror}") from None
@@ -185,8 +184,8 @@ class Worker:
         if not self._open:
             return
         try:
-            _kill_group(self.pid)
-            _reap(self.pid, self._pidfd)
+            kill_group(self.pid)
+            reap(self.pid, self._pidfd)
         finally:
             self._close()
 
@@ -223,7 +222,7 @@ class Worker:
         pid, rfd = self.pid, self._rfd
         # The child is a zombie now, so its PID (and with it the group id) cannot be reused yet:
         # killing the group here reaches only processes the child left behind.
-        _kill_group(pid)
+        kill_group(pid)
         if not self._eof:
             # Everything the child wrote is in the pipe; what is still open is held by a
             # leftover that was just killed, so read what is there without waiting for EOF.
@@ -233,7 +232,7 @@ class Worker:
                     self._take(chunk, on_stage)
             except BlockingIOError:
                 pass
-        return _reap(pid, self._pidfd)
+        return reap(pid, self._pidfd)
 
     def _take(self, chunk: bytes, on_stage) -> None:
         """Add what was read; act on the complete stage frames at the start. The final reply
@@ -259,7 +258,7 @@ class Worker:
                 on_stage(self._notes.pop(0))
 
 
-def _kill_group(pid: int) -> None:
+def kill_group(pid: int) -> None:
     for kill in (os.killpg, os.kill):  # os.kill covers a child that never joined its group
         try:
             kill(pid, signal.SIGKILL)
@@ -267,7 +266,7 @@ def _kill_group(pid: int) -> None:
             pass
 
 
-def _reap(pid: int, pidfd: int) -> int:
+def reap(pid: int, pidfd: int) -> int:
     """Exit status of the child as ``os.waitstatus_to_exitcode`` gives it (-N: signal N).
 
     A SIGKILLed child normally goes at once; one stuck in an uninterruptible sleep is left
@@ -333,6 +332,13 @@ class _Here:
 _here: _Here | None = None
 
 
+def rename(name: str, category: str, max_reply: int) -> None:
+    """In a worker: from now on its errors are named ``name`` with ``category``, and its reply
+    may take ``max_reply`` bytes (a standby taking the job it was forked ahead for)."""
+    here = _here
+    here.name, here.category, here.max_reply = name, category, max_reply
+
+
 def stage(name: str, category: str, note: object = None) -> None:
     """In a worker's ``fn``: the first step is done and the next begins. From now on the
     worker's failures (its unexpected exceptions, a timeout, a death by signal) are named
@@ -352,10 +358,10 @@ def stage(name: str, category: str, note: object = None) -> None:
 def _child(parent: int, fn, args, keep: list[int], wfd: int, max_reply: int, category: str, name: str):
     """Body of the forked child; ends in ``os._exit`` whatever happens, so control never
     returns into the parent's stack (which would run the rest of the hook twice)."""
-    _answer(wfd, max_reply, category, name, lambda: (_become_worker(parent, keep, wfd), fn, args))
+    answer(wfd, max_reply, category, name, lambda: (become_worker(parent, keep, wfd), fn, args))
 
 
-def _answer(wfd: int, max_reply: int, category: str, name: str, setup):
+def answer(wfd: int, max_reply: int, category: str, name: str, setup):
     """Run what ``setup()`` returns (the result fd, the function, its arguments) and write the
     reply; ends in ``os._exit``. A failure of ``setup`` is the worker's failure."""
     global _here
@@ -381,7 +387,7 @@ def _answer(wfd: int, max_reply: int, category: str, name: str, setup):
         os._exit(code)
 
 
-def _become_worker(parent: int, keep: list[int], wfd: int) -> int:
+def become_worker(parent: int, keep: list[int], wfd: int) -> int:
     """Detach from everything the parent holds. Returns the (possibly moved) result fd."""
     prctl.set_pdeathsig(signal.SIGKILL)
     # The parent may have died between fork() and the line above; the death signal would then
@@ -395,169 +401,39 @@ def _become_worker(parent: int, keep: list[int], wfd: int) -> int:
     gc.freeze()
     log.close()
     if wfd < 3:
-        wfd = _move_above(wfd, 3)
-    _stdio_to_devnull(keep)
+        wfd = move_above(wfd, 3)
+    stdio_to_devnull(keep)
     close_fds_except([*keep, wfd])
     return wfd
 
 
-# --- the standby: a worker forked ahead of its job ------------------------------------------------
-#
-# ``nvcontainer serve`` forks each request's child ahead and lets it make its pages its own
-# while nothing else runs (nvcontainer/prewarm.py). The worker that child forks for the request
-# would share those pages again and take the same copy-on-write faults while the container
-# waits. So the spare forks its worker ahead too: the standby detaches from everything at once,
-# warms its own pages, and waits for one job on a socket pair only its parent holds. The job is
-# what :func:`start` would have forked with (function, arguments, the fds to keep, and the
-# parent's umask, working directory and environment, which a fork would have inherited); the
-# kept fds land on the numbers the parent had, so the arguments mean what they meant there.
-# From then on it is the same worker: same group, deadline from the hand-over, same reply.
-# A job that cannot be handed over (not picklable, too large) goes to a forked worker instead.
+# --- the standby: a worker forked ahead of its job (apply/standby.py) -------------------------
 
-MAX_JOB = 1 << 20
-MAX_JOB_FDS = 240        # the kernel takes at most 253 fds in one message
+_standby = None   # a standby.Standby that the next start() hands its job to, if any
 
 
-class _Standby:
-    __slots__ = ("pid", "pidfd", "jobs", "rfd")
-
-    def __init__(self, pid: int, pidfd: int, jobs, rfd: int):   # jobs: a socket.socket
-        self.pid, self.pidfd, self.jobs, self.rfd = pid, pidfd, jobs, rfd
-
-    def discard(self) -> None:
-        """Kill and reap it: its job will not come."""
-        self.jobs.close()
-        _kill_group(self.pid)
-        _reap(self.pid, self.pidfd)
-        os.close(self.pidfd)
-        os.close(self.rfd)
-
-    def take(self, fn, args, keep: list[int], deadline: float, name: str, category: str,
-             max_reply: int) -> "Worker | None":
-        import pickle
-        import socket
-
-        from ..hookclient import pack_fds
-
-        cwd = None
-        try:
-            if len(keep) >= MAX_JOB_FDS:
-                raise ValueError("too many fds")
-            umask = os.umask(0o022)
-            os.umask(umask)
-            job = pickle.dumps({"fn": fn, "args": args, "keep": keep, "name": name, "category": category,
-                                "max_reply": max_reply, "umask": umask, "env": dict(os.environ)})
-            if len(job) > MAX_JOB:
-                raise ValueError("job too large")
-            cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            self.jobs.sendmsg([job], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, pack_fds([*keep, cwd]))])
-        except (OSError, ValueError, TypeError, AttributeError, pickle.PicklingError, RecursionError) as exc:
-            log.info(f"{name}: standby worker not used ({type(exc).__name__}): forking one")
-            self.discard()
-            return None
-        finally:
-            if cwd is not None:
-                os.close(cwd)
-        self.jobs.close()
-        log.info(f"{name}: handed to the standby worker, pid {self.pid}")
-        return Worker(self.pid, self.pidfd, self.rfd, deadline, name, category, max_reply)
-
-
-_standby: _Standby | None = None
-
-
-def standby() -> bool:
-    """Fork the next worker now, for :func:`start` to hand its job to; False if there already
-    is one or it cannot be forked. For a process that knows it will start a worker soon and is
-    idle now (``nvcontainer serve``'s spare child); the standby dies with this process."""
-    import socket
-
+def set_standby(ready) -> bool:
+    """Make ``ready`` (a :class:`standby.Standby`) the worker the next :func:`start` hands its
+    job to; False if there already is one."""
     global _standby
-    if _standby is not None or threading.active_count() > 1:
+    if _standby is not None:
         return False
-    parent = os.getpid()
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    rfd, wfd = os.pipe()
-    try:
-        pid = os.fork()
-    except OSError:
-        for end in (ours, theirs):
-            end.close()
-        os.close(rfd)
-        os.close(wfd)
-        return False
-    if pid == 0:
-        _standby_child(parent, theirs.fileno(), wfd)   # never returns
-    theirs.close()
-    os.close(wfd)
-    try:
-        os.setpgid(pid, pid)
-    except OSError:
-        pass
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        _kill_group(pid)
-        os.waitpid(pid, 0)
-        ours.close()
-        os.close(rfd)
-        return False
-    _standby = _Standby(pid, pidfd, ours, rfd)
+    _standby = ready
     return True
 
 
-def discard_standby() -> None:
-    """Kill and reap the standby, if there is one (its job will not come)."""
+def has_standby() -> bool:
+    return _standby is not None
+
+
+def take_standby():
+    """The standby worker, if there is one, no longer the next :func:`start`'s."""
     global _standby
-    if _standby is not None:
-        ready, _standby = _standby, None
-        ready.discard()
+    ready, _standby = _standby, None
+    return ready
 
 
-def _standby_child(parent: int, jobs: int, wfd: int):
-    wfd = _become_worker(parent, [jobs], wfd)   # nothing of the server's or the spare's stays here
-    from .. import prewarm
-
-    prewarm.own_pages(lambda: bool(select.select([jobs], [], [], 0)[0]))
-    _answer(wfd, MAX_REPLY, "internal", "standby worker", lambda: _install(jobs, wfd))
-
-
-def _install(jobs: int, wfd: int):
-    """Receive the job and become the worker :func:`start` would have forked for it."""
-    import pickle
-    import socket
-
-    from ..hookclient import unpack_fds
-
-    conn = socket.socket(fileno=jobs)
-    data, ancillary, flags, _ = conn.recvmsg(MAX_JOB + 1, socket.CMSG_SPACE(4 * MAX_JOB_FDS))
-    received = unpack_fds(ancillary)
-    if not data:
-        os._exit(0)   # the parent went on without a job for us
-    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        raise NvcError("internal", "standby worker: job truncated")
-    job = pickle.loads(data)   # from our parent, over a socket pair nobody else holds
-    keep = job["keep"]
-    if len(received) != len(keep) + 1:
-        raise NvcError("internal", "standby worker: fds missing from the job")
-    here = _here
-    here.name, here.category, here.max_reply = job["name"], job["category"], job["max_reply"]
-    # Everything received moves above every number in use before the kept ones take theirs.
-    floor = max([*keep, wfd, jobs, 2]) + 1
-    wfd = _move_above(wfd, floor) if wfd in keep else wfd
-    moved = [_move_above(fd, floor) for fd in received]
-    for target, fd in zip(keep, moved):
-        os.dup2(fd, target, inheritable=False)
-    os.fchdir(moved[-1])
-    os.umask(job["umask"])
-    os.environ.clear()
-    os.environ.update(job["env"])
-    _stdio_to_devnull(keep)
-    close_fds_except([*keep, wfd])
-    return wfd, job["fn"], job["args"]
-
-
-def _move_above(fd: int, floor: int) -> int:
+def move_above(fd: int, floor: int) -> int:
     import fcntl
 
     new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor)
@@ -565,7 +441,7 @@ def _move_above(fd: int, floor: int) -> int:
     return new
 
 
-def _stdio_to_devnull(keep: list[int]) -> None:
+def stdio_to_devnull(keep: list[int]) -> None:
     """Point fds 0-2 at /dev/null rather than closing them: a closed stdio number is handed to
     the next ``open()``, and a stray ``print`` would then write into that file."""
     null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)

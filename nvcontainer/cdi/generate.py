@@ -29,7 +29,7 @@ from ..plan.build import HostProc, build_plan
 from ..plan.container import ContainerFacts
 from ..plan.model import Device as PlanDevice
 from ..plan.model import Plan
-from ..request import CAPABILITIES, Request
+from ..request.decide import CAPABILITIES, Request
 from . import yamltext
 from .spec import Device, DeviceNode, Edits, Hook, Mount, Spec, check_kind, valid_device_name
 

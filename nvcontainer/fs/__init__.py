@@ -1,0 +1,5 @@
+"""Touching paths safely: in-root resolution (``openat2(RESOLVE_IN_ROOT)`` or a component walk),
+fd-based creation, detached mounts, and bounded reads of files we did not write.
+
+The mechanisms every other room uses; none of them decides anything.
+"""

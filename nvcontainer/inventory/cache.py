@@ -35,28 +35,20 @@ Not visible without NVML: switching a GPU's MIG mode while creating no instance.
 from __future__ import annotations
 
 import binascii
-import errno
-import fcntl
 import json
 import os
-import stat
-import time
-from dataclasses import fields, replace
+from dataclasses import replace
 
 from .. import __version__, log
-from ..errors import NvcError, escape
-from ..fs.bounded import read_at_most
+from ..errors import escape
 from . import procfs
+from .cachefile import LOCK, PREFIX, Lock, open_cache_dir, read_entry, write_entry
+from .stored import checker, facts_ok, inventory_to_json, minors_from_json
 from .catalog import DEFAULT_PATH, FABRICMANAGER_SOCKET, MPS_PIPE_DIRECTORY, PERSISTENCED_SOCKET
-from .model import DeviceNode, DriverFile, Gpu, Inventory, MigControl, MigDevice
+from .model import DeviceNode, Inventory
 
 FORMAT = 1
-MAX_FILE = 4 << 20
-MAX_ENTRIES = 16          # cache files kept in the directory (one per configuration)
 MAX_CAP_NAMES = 4096      # bound on the MIG capability tree walk
-STALE_TEMP_S = 60         # a temporary file this old was left by a killed writer
-PREFIX = "inventory-"
-LOCK = "lock"
 
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 NODE_DIRS = ("/dev/nvidia-caps", "/dev/nvidia-caps-imex-channels")
@@ -84,7 +76,7 @@ def cached_inventory(config, *, refresh: bool = False, proc: str = "/proc") -> I
                 log.info(f"inventory from cache {config.cache_dir}/{name}")
                 return inventory
         try:
-            lock = _Lock(dfd, config.deadline)
+            lock = Lock(dfd, config.deadline)
         except OSError as exc:
             log.warning(f"inventory cache not used: {LOCK}: {exc.strerror}")
             return _build(config, inputs, machine, None, proc)[0]
@@ -213,66 +205,7 @@ def _cap_nodes(inventory: Inventory) -> list[DeviceNode]:
     return [n for n in nodes if n is not None]
 
 
-# --- reading and checking an entry ------------------------------------------------------------
-
-
-def open_cache_dir(path: str) -> int | None:
-    """An fd of the cache directory, created 0700 if missing; None when it cannot be trusted or
-    used (someone else owns it, it is a symlink, we may not create or open it)."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        log.info(f"no inventory cache: cannot create {escape(path)}: {exc.strerror}")
-        return None
-    try:
-        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except PermissionError:
-        log.info(f"no inventory cache: {escape(path)} is root's")
-        return None
-    except OSError as exc:
-        log.warning(f"inventory cache {escape(path)} not used: {exc.strerror}")
-        return None
-    st = os.fstat(dfd)
-    try:
-        if st.st_uid != os.geteuid():
-            raise PermissionError(errno.EPERM, f"owned by uid {st.st_uid}")
-        if st.st_mode & 0o077:
-            os.fchmod(dfd, 0o700)   # ours: tighten it; every entry in it is checked anyway
-    except OSError as exc:
-        os.close(dfd)
-        log.warning(f"inventory cache {escape(path)} not used: {exc.strerror}")
-        return None
-    return dfd
-
-
-def read_entry(dfd: int, name: str) -> dict | None:
-    """The parsed entry, or None when it is missing or is not a file we wrote."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dfd)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        log.warning(f"inventory cache entry {escape(name)} ignored: {exc.strerror}")
-        return None
-    try:
-        st = os.fstat(fd)
-        if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
-                and st.st_nlink == 1 and st.st_size <= MAX_FILE):
-            log.warning(f"inventory cache entry {escape(name)} ignored: not a private regular file of ours")
-            return None
-        data, more = read_at_most(fd, MAX_FILE)
-        if more:
-            return None
-    finally:
-        os.close(fd)
-    try:
-        entry = json.loads(data)
-    except (ValueError, RecursionError):
-        log.warning(f"inventory cache entry {escape(name)} ignored: not JSON")
-        return None
-    return entry if isinstance(entry, dict) else None
+# --- checking an entry -------------------------------------------------------------------------
 
 
 def valid_inventory(entry: dict | None, inputs: dict, machine: dict) -> Inventory | None:
@@ -282,8 +215,8 @@ def valid_inventory(entry: dict | None, inputs: dict, machine: dict) -> Inventor
         return None
     if not _watched_unchanged(entry.get("watch")):
         return None
-    data, minors, warnings = entry.get("inventory"), _minors_from_json(entry.get("mig_minors")), entry.get("warnings")
-    if (minors is None or not _checker("Inventory")(data) or data["root"] != inputs["root"]
+    data, minors, warnings = entry.get("inventory"), minors_from_json(entry.get("mig_minors")), entry.get("warnings")
+    if (minors is None or not checker("Inventory")(data) or data["root"] != inputs["root"]
             or type(warnings) is not list or not set(map(type, warnings)) <= {str}):
         log.warning("inventory cache entry ignored: unexpected content")
         return None
@@ -344,60 +277,6 @@ def _recalled(dfd: int, name: str, inputs: dict, machine: dict) -> Inventory | N
     return inventory
 
 
-def inventory_to_json(inventory: Inventory) -> tuple[dict, list]:
-    """The inventory as stored: ``mig_minors`` (thousands of pairs on every machine, most of the
-    file) apart as two flat lists, which are checked and turned back into pairs at C speed."""
-    data = replace(inventory, mig_minors=()).to_dict()
-    del data["mig_minors"]
-    return data, [[name for name, _ in inventory.mig_minors], [minor for _, minor in inventory.mig_minors]]
-
-
-def _minors_from_json(value) -> tuple[tuple[str, int], ...] | None:
-    if not (type(value) is list and len(value) == 2 and type(value[0]) is list and type(value[1]) is list):
-        return None
-    names, minors = value
-    if len(names) != len(minors) or not set(map(type, names)) <= {str} or not set(map(type, minors)) <= {int}:
-        return None
-    return tuple(zip(names, minors))
-
-
-_MODEL = {c.__name__: c for c in (Inventory, Gpu, MigDevice, DeviceNode, DriverFile, MigControl)}
-_SCALARS = {"str": str, "int": int, "bool": bool}
-_CHECKERS: dict = {}
-
-
-def _checker(annotation: str):
-    """A predicate: is a JSON value what ``to_dict`` makes of a value of this (model) type?
-    Built once per annotation string from the model's own field types, so a model change is
-    followed, and an unknown type fails closed (the entry is rebuilt, never half-trusted)."""
-    ann = annotation.replace(" ", "")
-    check = _CHECKERS.get(ann)
-    if check is None:
-        check = _CHECKERS[ann] = _make_checker(ann)
-    return check
-
-
-def _make_checker(ann: str):
-    if ann.endswith("|None"):
-        inner = _checker(ann[:-5])
-        return lambda v: v is None or inner(v)
-    if ann in _SCALARS:
-        t = _SCALARS[ann]
-        return lambda v: type(v) is t
-    if ann.startswith("tuple[") and ann.endswith(",...]"):
-        inner = _checker(ann[6:-5])
-        return lambda v: type(v) is list and all(map(inner, v))
-    if ann.startswith("tuple["):
-        parts = tuple(_checker(p) for p in ann[6:-1].split(","))
-        return lambda v: type(v) is list and len(v) == len(parts) and all(c(x) for c, x in zip(parts, v))
-    cls = _MODEL.get(ann)
-    if cls is None:
-        return lambda v: False
-    checks = [(f.name, _checker(f.type)) for f in fields(cls) if not (cls is Inventory and f.name == "mig_minors")]
-    names = {name for name, _ in checks}
-    return lambda v: type(v) is dict and v.keys() == names and all(c(v[name]) for name, c in checks)
-
-
 def valid_facts(entry: dict | None, inputs: dict, machine: dict) -> dict | None:
     """NVML's stored answers, when they were given on this machine, to this user, by the same
     library file; checked against the shape :func:`nvml.query` returns."""
@@ -411,33 +290,12 @@ def valid_facts(entry: dict | None, inputs: dict, machine: dict) -> dict | None:
     return nvml
 
 
-_GPU_FACTS = {"index": int, "minor": int, "name": str, "brand": int, "uuid": str, "bus": list, "cc": list,
-              "mig_capable": bool, "mig_enabled": bool, "migs": list}
-_MIG_FACTS = {"index": int, "uuid": str, "gi": int, "ci": int}
-
-
-def facts_ok(facts) -> bool:
-    def typed(d, spec) -> bool:
-        return isinstance(d, dict) and all(type(d.get(k)) is t for k, t in spec.items())
-
-    if not typed(facts, {"driver_version": str, "cuda_version": int, "gpus": list}):
-        return False
-    for gpu in facts["gpus"]:
-        if not typed(gpu, _GPU_FACTS) or len(gpu["bus"]) != 3 or len(gpu["cc"]) != 2:
-            return False
-        if not all(type(v) is int for v in (*gpu["bus"], *gpu["cc"])):
-            return False
-        if not all(typed(m, _MIG_FACTS) for m in gpu["migs"]):
-            return False
-    return True
-
-
 # --- building and writing ---------------------------------------------------------------------
 
 
 def _build(config, inputs: dict, machine: dict, cached: dict | None, proc: str) -> tuple[Inventory, dict | None]:
     """A fresh inventory and the entry to store (None when the machine changed meanwhile)."""
-    from ..identity import parse_user
+    from .identity import parse_user
     from . import nvml
     from .build import build
 
@@ -464,74 +322,3 @@ def _build(config, inputs: dict, machine: dict, cached: dict | None, proc: str) 
     record = {"inputs": inputs, "machine": machine, "nvml": asked, "watch": watch, "inventory": data,
               "mig_minors": minors, "warnings": log.warnings_since(mark)}
     return inventory, record
-
-
-def write_entry(dfd: int, name: str, record: dict) -> bool:
-    """Replace ``name`` atomically; a failure costs the next start a rebuild, nothing more."""
-    data = json.dumps(record, separators=(",", ":")).encode()
-    tmp = f".{name}.{os.getpid()}.tmp"
-    try:
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        except FileExistsError:   # left by a killed process that had our pid
-            os.unlink(tmp, dir_fd=dfd)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except OSError as exc:
-        log.warning(f"inventory cache not written: {exc.strerror}")
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except OSError:
-            pass
-        return False
-    _prune(dfd, keep=name)
-    return True
-
-
-def _prune(dfd: int, keep: str) -> None:
-    """Keep the directory bounded: the newest ``MAX_ENTRIES`` entries, no stale temporaries."""
-    entries, now = [], time.time()
-    try:
-        with os.scandir(dfd) as it:
-            for e in it:
-                st = e.stat(follow_symlinks=False)
-                if e.name.endswith(".tmp") and now - st.st_mtime > STALE_TEMP_S:
-                    os.unlink(e.name, dir_fd=dfd)
-                elif e.name.startswith(PREFIX) and e.name != keep:
-                    entries.append((st.st_mtime, e.name))
-        for _, old in sorted(entries, reverse=True)[MAX_ENTRIES - 1:]:
-            os.unlink(old, dir_fd=dfd)
-    except OSError as exc:
-        log.info(f"inventory cache: pruning stopped: {exc.strerror}")
-
-
-class _Lock:
-    """``flock`` on the directory's lock file, waited for at most ``deadline`` seconds."""
-
-    def __init__(self, dfd: int, deadline: float):
-        self.deadline = deadline
-        self.fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600,
-                          dir_fd=dfd)
-
-    def __enter__(self):
-        end, pause = time.monotonic() + self.deadline, 0.001
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
-            except BlockingIOError:
-                pass
-            if time.monotonic() >= end:
-                os.close(self.fd)
-                raise NvcError("timeout", f"waited {self.deadline:g}s for another nvcontainer to build the driver inventory")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-
-    def __exit__(self, *exc) -> None:
-        os.close(self.fd)

@@ -12,11 +12,12 @@ import os
 import re
 from dataclasses import dataclass
 
-from .. import require, volume
+from ..request import require
+from . import volume
 from ..errors import NvcError, escape
 from ..inventory.model import DeviceNode, DriverFile, Gpu, Inventory
-from ..request import Request
-from ..selection import Selection, allow_list, select
+from ..request.decide import Request
+from ..request.selection import Selection, allow_list, select
 from .container import COMPAT_DIR, ContainerFacts
 from .model import (DEVICE_OPTIONS, IPC_OPTIONS, LIBRARY_OPTIONS, PROC_OPTIONS, Device, File, Ldconfig, Mount,
                     Plan, Symlink, Tmpfs)

@@ -83,13 +83,13 @@ import sys
 import nvcontainer.fs.syscalls, nvcontainer.cgroups.v2
 nvcontainer.fs.syscalls.FORCE_NO_OPENAT2 = {no_openat2}
 nvcontainer.cgroups.v2.FORCE_NO_REPLACE = {no_replace}
-from nvcontainer.{module} import main
+from nvcontainer.{module}.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
 def nvc_argv(module: str, *, no_openat2: bool = False, no_replace: bool = False) -> list[str]:
-    """argv that runs ``nvcontainer.<module>.main`` (``cli`` or ``hook``) with the test
+    """argv that runs ``nvcontainer.<module>.main.main`` (``cli`` or ``hook``) with the test
     switches set before anything else is imported; arguments follow."""
     code = _BOOT.format(module=module, no_openat2=no_openat2, no_replace=no_replace)
     return [sys.executable, "-I", "-c", code]
@@ -503,7 +503,7 @@ import io, json, sys
 import nvcontainer.fs.syscalls, nvcontainer.cgroups.v2
 nvcontainer.fs.syscalls.FORCE_NO_OPENAT2 = {no_openat2}
 nvcontainer.cgroups.v2.FORCE_NO_REPLACE = {no_replace}
-from nvcontainer.cli import main
+from nvcontainer.cli.main import main
 out = sys.stdout
 for line in sys.stdin:
     err = io.StringIO()

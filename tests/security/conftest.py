@@ -528,7 +528,7 @@ def _probe_open(cgroup: Path, pid: int, path: str) -> str:
 # ``python -m nvcontainer`` with the in-root resolver forced onto its openat(2) walker, the
 # path taken on kernels without openat2(2).
 _WALKER_MAIN = ("import sys, nvcontainer.fs.syscalls as s; s.FORCE_NO_OPENAT2 = True; "
-                "from nvcontainer.cli import main; sys.exit(main(sys.argv[1:]))")
+                "from nvcontainer.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
 
 def run_configure(machine, rootfs: Path, args: Sequence[str] = DEFAULT_ARGS, *, extra: Sequence[str] = (),

@@ -27,12 +27,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nvcontainer import config, errors, hook
+from nvcontainer.config import load as config
+from nvcontainer.config.model import Config
+from nvcontainer import errors
+from nvcontainer.hook import prestart as hook
 from nvcontainer.apply import ldconfig, pin, worker
 from nvcontainer.cgroups import bpf, rules, v2
 from nvcontainer.errors import NvcError
 from nvcontainer.fs import mounts
-from nvcontainer.identity import parse_user
+from nvcontainer.inventory.identity import parse_user
 from nvcontainer.plan.container import parse_compat_name
 from tests.security import _support as s
 
@@ -306,7 +309,7 @@ def test_config_text(text):
 @given(st.text(max_size=40) | st.from_regex(r"[0-9a-z]{1,6}(:[0-9a-z]{1,6})?", fullmatch=True))
 def test_user_option(text):
     """``--user`` / ``user =``: checked by the config first, then resolved."""
-    cfg = only_nvc_error(lambda: config.Config().with_overrides(user=text))
+    cfg = only_nvc_error(lambda: Config().with_overrides(user=text))
     if cfg is None:
         return
     ids = only_nvc_error(parse_user, cfg.user)
@@ -317,7 +320,7 @@ def test_user_option(text):
 @FUZZ
 @given(st.lists(st.text(max_size=20), max_size=4))
 def test_imex_channels(values):
-    from nvcontainer.cli import parse_imex_channels
+    from nvcontainer.cli.context import parse_imex_channels
 
     channels = only_nvc_error(parse_imex_channels, values)
     if channels is not None:

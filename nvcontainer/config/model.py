@@ -1,0 +1,67 @@
+"""The operator's settings as the code uses them: one immutable :class:`Config`.
+
+Where the values come from (the configuration file, the global command-line options) and how
+each is checked lives beside this module (:mod:`.load`, :mod:`.values`); everything else only
+reads a :class:`Config`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from .values import CAPABILITIES, absolute, path, user as user_value
+
+
+@dataclass(frozen=True)
+class Config:
+    root: str = "/"
+    ldcache: str = "/etc/ld.so.cache"
+    debug: str | None = None
+    user: str | None = None
+    ldconfig: str = "@/sbin/ldconfig"
+    no_cgroups: bool = False
+    supported_driver_capabilities: tuple[str, ...] = CAPABILITIES
+    disable_require: bool = False
+    swarm_resource: tuple[str, ...] = ()
+    accept_envvar_unprivileged: bool = True
+    accept_volume_mounts: bool = False
+    cuda_compat_mode: str = "ldconfig"
+    deadline: float = 30
+    cache_dir: str = "/run/nvcontainer"
+    driver_volume_dir: str = "/var/lib/nvcontainer/volumes"
+    allowed_devices: tuple[str, ...] | None = None
+
+    def with_overrides(self, *, root: str | None = None, ldcache: str | None = None,
+                       debug: str | None = None, user: str | None = None) -> "Config":
+        """This config with the global command-line options that were given (not None) applied."""
+        changes = {}
+        if root is not None:
+            changes["root"] = absolute(root, "--root")
+        if ldcache is not None:
+            changes["ldcache"] = absolute(ldcache, "--ldcache")
+        if debug is not None:
+            changes["debug"] = path(debug, "--debug")
+        if user is not None:
+            changes["user"] = user_value(user, "--user")
+        return replace(self, **changes)
+
+    def ldconfig_program(self) -> str:
+        """The host path of the ldconfig a run executes: :func:`host_ldconfig` of ``ldconfig``."""
+        return host_ldconfig(self.ldconfig).removeprefix("@")
+
+
+LDCONFIG = "/sbin/ldconfig"
+LDCONFIG_REAL = "/sbin/ldconfig.real"
+
+
+def host_ldconfig(value: str, exists=os.path.exists) -> str:
+    """``value`` (``@PATH`` or a bare host path), with /sbin/ldconfig read as /sbin/ldconfig.real
+    where the host has that, as nvidia-container-toolkit normalises it.
+
+    Why: on Ubuntu, /sbin/ldconfig is a shell script that execs the binary beside it. Only a
+    static binary runs in the sandbox (no interpreter of the host is taken into the container),
+    so the default would refuse every GPU container there with "not an ELF file"."""
+    if value.removeprefix("@") == LDCONFIG and exists(LDCONFIG_REAL):
+        return value.replace(LDCONFIG, LDCONFIG_REAL, 1)
+    return value

@@ -1,0 +1,116 @@
+"""The values an operator may write in the configuration, each checked by one small function that
+names the key in its error.
+
+Why strict: the hook reads these settings on every container start, as root. A value of the
+wrong type or an unknown capability is an error naming the key, never silently ignored or
+coerced (a misspelt policy switch would otherwise quietly reopen the hole it was meant to
+close). The same checks serve the file and the global command-line options.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import NvcError, escape
+
+CAPABILITIES = ("compat32", "compute", "display", "graphics", "ngx", "utility", "video")
+MAX_DEADLINE = 3600
+MAX_ALLOWED = 1024
+
+_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(?::[A-Za-z0-9_][A-Za-z0-9_.-]*)?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_COMPAT_MODES = ("ldconfig", "disabled")
+_DEVICE_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9:./-]{0,127}")
+
+
+def bad(key: str, value: object, want: str) -> NvcError:
+    return NvcError("config", f"{key}: expected {want}, got {escape(repr(value), 80)}")
+
+
+def path(value: object, key: str) -> str:
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise bad(key, value, "a path")
+    return value
+
+
+def absolute(value: object, key: str) -> str:
+    if not path(value, key).startswith("/"):
+        raise bad(key, value, "an absolute path")
+    return value
+
+
+def user(value: object, key: str) -> str:
+    if not isinstance(value, str) or not _USER.fullmatch(value):
+        raise bad(key, value, "UID[:GID] (numbers or names)")
+    return value
+
+
+def boolean(value: object, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise bad(key, value, "true or false")
+    return value
+
+
+def str_list(value: object, key: str) -> list[str]:
+    """A comma-separated string (upstream's form) or a TOML array of strings."""
+    if isinstance(value, str):
+        items = value.split(",")
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        items = value
+    else:
+        raise bad(key, value, "a comma-separated string or an array of strings")
+    return [item.strip() for item in items if item.strip()]
+
+
+def capabilities(value: object, key: str) -> tuple[str, ...]:
+    items = str_list(value, key)
+    if "all" in items:
+        return CAPABILITIES
+    unknown = [i for i in items if i not in CAPABILITIES]
+    if unknown:
+        raise NvcError("config", f"{key}: unknown capability '{escape(unknown[0], 40)}' "
+                                 f"(known: {','.join(CAPABILITIES)}, all)")
+    return tuple(sorted(set(items)))
+
+
+def env_names(value: object, key: str) -> tuple[str, ...]:
+    names = str_list(value, key)
+    for name in names:
+        if not _ENV_NAME.fullmatch(name):
+            raise bad(key, name, "environment variable names")
+    return tuple(dict.fromkeys(names))
+
+
+def ldconfig(value: object, key: str) -> str:
+    if not isinstance(value, str) or not value.startswith("@/") or "\0" in value:
+        raise bad(key, value, "'@' followed by an absolute host path (the image's ldconfig is never run)")
+    return value
+
+
+def compat_mode(value: object, key: str) -> str:
+    if value == "mount":
+        raise NvcError("config", f"{key}: 'mount' is not supported: nvcontainer never bind-mounts files "
+                                 "from an image; 'ldconfig' uses the image's compat libraries in place")
+    if value not in _COMPAT_MODES:
+        raise bad(key, value, " or ".join(repr(m) for m in _COMPAT_MODES))
+    return value
+
+
+def deadline(value: object, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_DEADLINE:
+        raise bad(key, value, f"a number of seconds, more than 0 and at most {MAX_DEADLINE}")
+    return value
+
+
+def device_tokens(value: object, key: str) -> tuple[str, ...] | None:
+    """Device tokens as in a request; they are matched against the GPUs when a container asks.
+    An empty list is a node that hands out no GPU at all (the driver only)."""
+    tokens = str_list(value, key)
+    if len(tokens) > MAX_ALLOWED:
+        raise bad(key, f"{len(tokens)} entries", f"at most {MAX_ALLOWED} device tokens")
+    for token in tokens:
+        if not _DEVICE_TOKEN.fullmatch(token):
+            raise bad(key, token, "device tokens (an index, GPU-/MIG- UUID, PCI bus id, <gpu>:<mig> or all)")
+    if "all" in tokens:
+        return None
+    return tuple(dict.fromkeys(tokens))

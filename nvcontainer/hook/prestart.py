@@ -1,0 +1,125 @@
+"""``nvcontainer-hook``: the OCI prestart hook.
+
+The runtime runs it with the container's state on stdin, in the runtime's environment, while
+the container is created but not started: every millisecond here delays every container start,
+so this module imports only what the request needs (no click, no pynvml in this process, no
+pyelftools). It reads the bundle's ``config.json``, decides from the image's ``NVIDIA_*``
+variables, and runs the same code path as ``nvcontainer configure``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from .client import OPTIONS
+from .usage import PROG, Usage, usage_status
+
+USAGE = f"""usage: {PROG} [--root PATH] [--ldcache FILE] [--debug FILE] [--user UID[:GID]] [--config FILE]
+                        [--socket PATH] [--dry-run] prestart|poststart|poststop
+
+Reads the OCI state on stdin and injects the GPUs the container's NVIDIA_VISIBLE_DEVICES asks for.
+--dry-run prints the plan as JSON ({{"gpu": false}} when the container asks for no GPU).
+--socket: where a resident `nvcontainer serve` listens (default /run/nvcontainer/hook.sock; '' for
+none); when one does, it does the run, with the same result, warm.
+
+CDI hooks (named in specs from `nvcontainer cdi generate`; see their --help):
+       {PROG} create-symlinks|update-ldcache|disable-device-node-modification ...
+"""
+
+# Set in a child of ``nvcontainer serve`` to the server's PID, for the trace.
+SERVED_BY: int | None = None
+
+_VALUED = {name: name[2:] for name in OPTIONS}
+_SHORT = {short: name for name, short in OPTIONS.items() if short}
+
+
+def parse_args(argv: list[str]) -> tuple[dict, bool, str]:
+    """Global options (before the stage word, like the CLI), ``--dry-run``, and the stage."""
+    opts: dict = {}
+    dry_run = False
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        name, eq, value = arg.partition("=")
+        name = _SHORT.get(name, name)
+        if name in _VALUED:
+            if not eq:
+                if not args:
+                    raise Usage(f"{name} needs a value")
+                value = args.pop(0)
+            opts[_VALUED[name]] = value
+        elif arg == "--dry-run":
+            dry_run = True
+        elif arg in ("-h", "--help"):
+            raise Usage("")
+        elif arg.startswith("-"):
+            raise Usage(f"unknown option {arg}")
+        else:
+            if args:
+                raise Usage(f"unexpected argument after {arg}")
+            return opts, dry_run, arg
+    raise Usage("missing stage (prestart, poststart or poststop)")
+
+
+def prestart(opts: dict, dry_run: bool) -> int:
+    from ..config import load as configuration
+    from .. import log
+    from ..request import oci
+    from ..request.decide import request_from_env
+
+    started = time.monotonic()  # one deadline for the whole run: NVML, mounts, cgroup, ldconfig
+    cfg = configuration.load(opts.get("config")).with_overrides(
+        root=opts.get("root"), ldcache=opts.get("ldcache"), debug=opts.get("debug"), user=opts.get("user"))
+    if cfg.debug:
+        log.open_debug(cfg.debug)
+    state = oci.read_state(sys.stdin.fileno())
+    spec = oci.read_spec(state.bundle)
+    served = f" (served by nvcontainer serve, pid {SERVED_BY})" if SERVED_BY else ""
+    log.info(f"prestart: pid {state.pid}, bundle {state.bundle}{served}")
+    request = request_from_env(spec.environ(), cfg, privileged=spec.privileged, mounts=spec.mounts,
+                               annotations=spec.annotations)
+    if not request.gpu and not dry_run:
+        # most containers on a shared node: done before the planning modules are even imported
+        for w in request.warnings:
+            log.warning(w)
+        log.info("not a GPU container")
+        return 0
+    from ..plan.gather import options_from_config, plan_for
+
+    rootfs = state.root or spec.rootfs
+    plan = plan_for(request, cfg, rootfs, state.pid, options_from_config(cfg))
+    if dry_run:
+        sys.stdout.write(plan.dumps())
+        return 0
+    from ..apply.execute import apply
+
+    apply(plan, deadline=cfg.deadline - (time.monotonic() - started))
+    log.info("prestart done")
+    return 0
+
+
+def run(argv: list[str]) -> int:
+    """One prestart (or no-op poststart/poststop) run in this process: exit status 0, 1 with
+    one line on stderr, or 2 for a usage error."""
+    from ..errors import NvcError
+
+    try:
+        opts, dry_run, stage = parse_args(argv)
+    except Usage as exc:
+        return usage_status(exc, USAGE)
+    if stage in ("poststart", "poststop"):
+        return 0
+    if stage != "prestart":
+        from ..errors import escape
+
+        sys.stderr.write(f"{PROG}: input error: unknown stage {escape(stage)} (prestart, poststart or poststop)\n")
+        return 2
+    from .. import log
+
+    try:
+        return prestart(opts, dry_run)
+    except NvcError as exc:
+        return log.fail(exc, PROG)
+    finally:
+        log.close()

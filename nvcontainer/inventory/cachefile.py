@@ -1,0 +1,159 @@
+"""The inventory cache's directory and files: where entries live, and how they are read,
+written and kept few.
+
+Why apart from :mod:`.cache`: what an entry means (its key, its checks against the machine) is
+one concern; keeping a root-only directory of files that a hostile process might race is
+another. Every file is opened relative to the directory's fd without following symlinks, must
+be a private regular file of ours with one link, is read bounded, and is replaced atomically
+(temporary file, rename). A miss takes an exclusive lock, so 32 containers starting at once
+after boot wait for one NVML initialisation, not 32.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import stat
+import time
+
+from .. import log
+from ..errors import NvcError, escape
+from ..fs.bounded import read_at_most
+
+MAX_FILE = 4 << 20
+MAX_ENTRIES = 16          # cache files kept in the directory (one per configuration)
+STALE_TEMP_S = 60         # a temporary file this old was left by a killed writer
+PREFIX = "inventory-"
+LOCK = "lock"
+
+
+def open_cache_dir(path: str) -> int | None:
+    """An fd of the cache directory, created 0700 if missing; None when it cannot be trusted or
+    used (someone else owns it, it is a symlink, we may not create or open it)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        log.info(f"no inventory cache: cannot create {escape(path)}: {exc.strerror}")
+        return None
+    try:
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except PermissionError:
+        log.info(f"no inventory cache: {escape(path)} is root's")
+        return None
+    except OSError as exc:
+        log.warning(f"inventory cache {escape(path)} not used: {exc.strerror}")
+        return None
+    st = os.fstat(dfd)
+    try:
+        if st.st_uid != os.geteuid():
+            raise PermissionError(errno.EPERM, f"owned by uid {st.st_uid}")
+        if st.st_mode & 0o077:
+            os.fchmod(dfd, 0o700)   # ours: tighten it; every entry in it is checked anyway
+    except OSError as exc:
+        os.close(dfd)
+        log.warning(f"inventory cache {escape(path)} not used: {exc.strerror}")
+        return None
+    return dfd
+
+
+def read_entry(dfd: int, name: str) -> dict | None:
+    """The parsed entry, or None when it is missing or is not a file we wrote."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning(f"inventory cache entry {escape(name)} ignored: {exc.strerror}")
+        return None
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+                and st.st_nlink == 1 and st.st_size <= MAX_FILE):
+            log.warning(f"inventory cache entry {escape(name)} ignored: not a private regular file of ours")
+            return None
+        data, more = read_at_most(fd, MAX_FILE)
+        if more:
+            return None
+    finally:
+        os.close(fd)
+    try:
+        entry = json.loads(data)
+    except (ValueError, RecursionError):
+        log.warning(f"inventory cache entry {escape(name)} ignored: not JSON")
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def write_entry(dfd: int, name: str, record: dict) -> bool:
+    """Replace ``name`` atomically; a failure costs the next start a rebuild, nothing more."""
+    data = json.dumps(record, separators=(",", ":")).encode()
+    tmp = f".{name}.{os.getpid()}.tmp"
+    try:
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        except FileExistsError:   # left by a killed process that had our pid
+            os.unlink(tmp, dir_fd=dfd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except OSError as exc:
+        log.warning(f"inventory cache not written: {exc.strerror}")
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except OSError:
+            pass
+        return False
+    _prune(dfd, keep=name)
+    return True
+
+
+def _prune(dfd: int, keep: str) -> None:
+    """Keep the directory bounded: the newest ``MAX_ENTRIES`` entries, no stale temporaries."""
+    entries, now = [], time.time()
+    try:
+        with os.scandir(dfd) as it:
+            for e in it:
+                st = e.stat(follow_symlinks=False)
+                if e.name.endswith(".tmp") and now - st.st_mtime > STALE_TEMP_S:
+                    os.unlink(e.name, dir_fd=dfd)
+                elif e.name.startswith(PREFIX) and e.name != keep:
+                    entries.append((st.st_mtime, e.name))
+        for _, old in sorted(entries, reverse=True)[MAX_ENTRIES - 1:]:
+            os.unlink(old, dir_fd=dfd)
+    except OSError as exc:
+        log.info(f"inventory cache: pruning stopped: {exc.strerror}")
+
+
+class Lock:
+    """``flock`` on the directory's lock file, waited for at most ``deadline`` seconds."""
+
+    def __init__(self, dfd: int, deadline: float):
+        self.deadline = deadline
+        self.fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600,
+                          dir_fd=dfd)
+
+    def __enter__(self):
+        end, pause = time.monotonic() + self.deadline, 0.001
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                pass
+            if time.monotonic() >= end:
+                os.close(self.fd)
+                raise NvcError("timeout", f"waited {self.deadline:g}s for another nvcontainer to build the driver inventory")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)

@@ -1,0 +1,91 @@
+"""Building the native hook client (``hookclient.c``) that ``nvcontainer setup --serve`` registers.
+
+Why a native program at all: with ``nvcontainer serve`` warm, the largest single cost left in a
+served container start is the hook's interpreter starting (about 8 ms of some 30 here, see
+docs/performance.md) only to pass a few fds over a socket. ``hookclient.c`` does the same in
+well under a millisecond and, when no server takes the run, executes the Python hook just as
+``hookclient.py`` does. Nothing else in the project is native: the work itself stays in Python.
+
+It is built on the node, by the node's C compiler, when set-up runs, not shipped prebuilt:
+the program embeds the install's interpreter path (its fallback) and the hook's option table
+(``hookclient.OPTIONS``), so it always matches the code it stands in front of. Without a
+compiler set-up registers ``hookclient.py`` instead; the only difference is speed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+from ..hook import client as hookclient
+from ..errors import NvcError, escape
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hookclient.c")
+NAME = "nvcontainer-hook-client"
+CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-D_FORTIFY_SOURCE=2", "-fstack-protector-strong")
+COMPILE_TIMEOUT = 60.0
+
+
+def compiler() -> str | None:
+    """The C compiler set-up would use, or None. ``CC`` of the environment is not consulted:
+    set-up runs as root and should not run a program named by an inherited variable."""
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name, path="/usr/local/bin:/usr/bin:/bin")
+        if found:
+            return found
+    return None
+
+
+def c_string(text: str) -> str:
+    """A C string literal for ``text``; only printable ASCII is taken (paths of an install)."""
+    if not text.isascii() or not text.isprintable():
+        raise NvcError("setup", f"cannot embed {escape(text)} in the native hook client")
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("?", "\\?") + '"'
+
+
+def config_header(python: str) -> str:
+    """``nvc_config.h``: the install's interpreter and the hook's valued options."""
+    valued = ", ".join(c_string(name) for name in sorted(hookclient.VALUED))
+    return f"#define NVC_PYTHON {c_string(python)}\n#define NVC_VALUED {valued}\n"
+
+
+def build(dest: str, python: str, cc: str | None = None) -> str:
+    """Compile the client to ``dest`` (replaced atomically, mode 0755); returns how it was linked.
+
+    Static when the C library allows it: a static program needs no dynamic loader, which is
+    most of a small program's start-up.
+    """
+    cc = cc or compiler()
+    if cc is None:
+        raise NvcError("setup", "no C compiler (cc) found to build the native hook client")
+    os.makedirs(os.path.dirname(dest) or ".", mode=0o755, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="nvc-client-") as tmp:
+        with open(os.path.join(tmp, "nvc_config.h"), "w") as f:
+            f.write(config_header(python))
+        out = os.path.join(tmp, NAME)
+        errors: list[str] = []
+        for linking in (("-static",), ()):
+            argv = [cc, *CFLAGS, *linking, "-I", tmp, "-o", out, SOURCE]
+            try:
+                res = subprocess.run(argv, capture_output=True, text=True, errors="replace",
+                                     timeout=COMPILE_TIMEOUT, env={"PATH": "/usr/local/bin:/usr/bin:/bin"})
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise NvcError("setup", f"cannot run {escape(cc)}: {escape(exc)}") from None
+            if res.returncode == 0:
+                break
+            errors = res.stderr.strip().splitlines()[-1:] or [f"exit status {res.returncode}"]
+        else:
+            raise NvcError("setup", f"building the native hook client failed: {escape(errors[0])}")
+        with open(out, "rb") as f:
+            program = f.read()
+        staged = f"{dest}.nvcontainer-{os.getpid()}"
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755)
+        try:
+            os.write(fd, program)
+            os.fchmod(fd, 0o755)
+        finally:
+            os.close(fd)
+        os.rename(staged, dest)
+    return "static" if linking else "dynamic"

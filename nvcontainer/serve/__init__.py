@@ -1,0 +1,2 @@
+"""``nvcontainer serve``: the hook's code imported once, its inventory warm, one forked child
+per request on a root-only socket."""
