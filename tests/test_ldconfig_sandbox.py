@@ -232,19 +232,19 @@ def test_include_loop_ends_quickly(container, tmp_path, built):
     assert {"libbar.so.2", "libbaz.so.3"} <= set(cache_entries(rootfs))
 
 
-def test_include_explosion_is_stopped_by_the_cpu_limit(container, tmp_path, built, monkeypatch):
-    """Two includes of itself per level make 2**depth reads: the fd limit bounds the depth but
-    not the work. The CPU rlimit does (10 s in production; 1 s here to keep the test short)."""
-    short = tuple((which, 1 if which == resource.RLIMIT_CPU else value) for which, value in sandbox.RLIMITS)
-    monkeypatch.setattr(sandbox, "RLIMITS", short)
+def test_include_explosion_ends_at_once(container, tmp_path, built):
+    """Two includes of itself per level make 2**depth reads for glibc's ldconfig (the fd limit
+    bounds the depth, not the work; before the sandbox read the configuration itself only the
+    CPU rlimit ended it, as SIGXCPU after 10 s). Our reader skips a file that includes itself:
+    the run succeeds at once, with every library."""
     rootfs = make_rootfs(tmp_path, built)
     with open(f"{rootfs}/etc/ld.so.conf", "a") as fh:
         fh.write("include /etc/ld.so.conf\n")
     (tmp_path / "rootfs/etc/ld.so.conf.d/loop.conf").write_text("include /etc/ld.so.conf\n")
     start = time.monotonic()
-    with pytest.raises(NvcError, match=r"process /sbin/ldconfig terminated with signal \d+ \((SIGXCPU|SIGKILL)\)"):
-        run(container, rootfs)
-    assert time.monotonic() - start < 8
+    run(container, rootfs)
+    assert time.monotonic() - start < 2
+    assert {"libbar.so.2", "libbaz.so.3"} <= set(cache_entries(rootfs))
 
 
 def host_escape_config(tmp_path, built, rootfs: str, pid: int) -> None:
@@ -359,7 +359,8 @@ def test_sandbox_seen_from_inside(container, tmp_path, built, monkeypatch):
     run(container, rootfs, ldconfig_host_path=str(built / "helper"))
     monkeypatch.delenv("LD_PRELOAD")
     seen = report(rootfs)
-    assert seen["argv"] == ["ldconfig", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", "/usr/lib/nvc"]
+    # the image's configuration, flattened by the sandbox into its /dev cover
+    assert seen["argv"] == ["ldconfig", "-f", "/dev/ld.so.conf", "-C", "/etc/ld.so.cache", "/usr/lib/nvc"]
     assert seen["env"] == ["0"]
     assert seen["fd"] == ["0", "1", "2"]  # nothing else from the host, not even the program
     assert seen["pid"] == ["1"]  # init of its own PID namespace ...
@@ -368,6 +369,8 @@ def test_sandbox_seen_from_inside(container, tmp_path, built, monkeypatch):
     for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
         assert int(status[caps].strip(), 16) == 0, caps
     assert status["NoNewPrivs"].strip() == "1"
+    assert status["Seccomp"].strip() == "2"           # a filter is installed (mode 2)
+    assert status["Seccomp_filters"].strip() == "1"   # ours, only
     assert status["Uid"].split() == ["0"] * 4
     assert status["Groups"].strip() == ""
     netdevs = [line.split(":")[0].strip() for line in seen["netdev"][2:]]
@@ -399,9 +402,9 @@ def test_failure_carries_ldconfigs_message_escaped(container, tmp_path, built):
     with pytest.raises(NvcError) as info:
         run(container, rootfs, ldconfig_host_path=program)
     assert info.value.category == "ldcache"
-    assert info.value.detail.startswith(f"process {program} failed with error code: 3: helper: warning first")
-    assert info.value.detail.endswith("helper: fatal \\x1b[31mred")
-    assert "\n" not in info.value.detail
+    # one line: what failed and its last line (the fatal one); the warning before it is in the
+    # --debug trace only, and the escape sequence is escaped
+    assert info.value.detail == f"process {program} failed with error code: 3: helper: fatal \\x1b[31mred"
 
 
 def test_unwritable_etc_is_reported(container, tmp_path, built):

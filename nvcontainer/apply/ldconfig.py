@@ -20,12 +20,13 @@ those are attacker-controlled, so every step below removes one thing a hostile i
 * it has no network (new, empty net namespace), its own IPC/UTS namespaces, and is init of its
   own PID namespace, so killing it kills everything it could have started;
 * it runs as the given uid/gid with no capabilities at all (bounding set cleared,
-  ``SECBIT_NOROOT`` so exec as uid 0 grants none), ``no_new_privs``, an empty environment
-  (CVE-2025-23266 was an image ``LD_PRELOAD``), only the fds it needs, and rlimits for CPU,
-  memory, fds and file size.
-
-There is no seccomp filter: the Python seccomp bindings are not in the project's environment.
-The mount, pivot and capability drops above are done without them.
+  ``SECBIT_NOROOT`` so exec as uid 0 grants none), ``no_new_privs``, a deny-by-default seccomp
+  filter (:mod:`.seccomp`), an empty environment (CVE-2025-23266 was an image ``LD_PRELOAD``),
+  only the fds it needs, and rlimits for CPU, data memory (tens of MiB), fds and file size;
+* it never reads the image's ``ld.so.conf`` or its includes: the sandbox reads them first,
+  bounded and in-root, and gives ldconfig the directory lines in a file of its own
+  (:mod:`.ldsoconf`), so a FIFO, a device, a link into ``/proc`` or a sparse giant there is a
+  warning, not a hang; a library link to a FIFO in a scanned directory is refused in one line.
 
 The module is the sandbox's interface: a :class:`Job` is checked and opened in the host process
 (:func:`prepare_run`), run by a worker in the container's mount namespace (:func:`sandbox`) and
@@ -49,6 +50,7 @@ from .. import log
 from ..errors import NvcError, escape
 from . import ns, worker
 from .sandbox import enter_and_sandbox, sandbox  # noqa: F401  (sandbox: what a plan's worker runs)
+from .seccomp import ldconfig_filter
 from .sealed import cap_last_cap, prepare, program_fd, static_elf_problem  # noqa: F401
 
 CONF = "/etc/ld.so.conf"
@@ -110,6 +112,7 @@ class Job:
     cap_last: int
     program: str          # the host path, for messages
     kept: bool            # exe is the process's kept copy, not to be closed
+    seccomp: bytes = b""  # the BPF program installed right before exec
 
     def close(self) -> None:
         if not self.kept:
@@ -127,9 +130,10 @@ def prepare_run(rootfs: str, directories: list[str], *, ldconfig_host_path: str 
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ID:
             raise NvcError("ldcache", f"invalid user or group id: {escape(value)}")
     cap_last = cap_last_cap()
+    program = ldconfig_filter()
     exe, kept = program_fd(ldconfig_host_path)
     ns.load()  # in this process, so a server's children and our worker inherit it
-    return Job(rootfs, argv, exe, uid, gid, cap_last, ldconfig_host_path, kept)
+    return Job(rootfs, argv, exe, uid, gid, cap_last, ldconfig_host_path, kept, program)
 
 
 def report(result: dict, program: str) -> None:
@@ -153,20 +157,32 @@ def ldconfig_argv(directories: list[str]) -> list[str]:
     return ["ldconfig", "-f", CONF, "-C", CACHE, *directories]
 
 
+IMAGE_PROBLEM = "image: "   # a setup error that is the image's doing, not the sandbox's
+
+
 def failure_message(result: dict, program: str) -> str | None:
-    """One line describing why the sandbox or ldconfig failed, or ``None`` on success."""
-    if result["setup_error"]:
-        return f"ldconfig sandbox setup failed: {escape(result['setup_error'], 400)}"
+    """One line describing why the sandbox or ldconfig failed, or ``None`` on success: what
+    happened and ldconfig's last line (its fatal message; everything it printed is in the
+    ``--debug`` trace), escaped, never its whole output."""
+    setup = result["setup_error"]
+    if setup.startswith(IMAGE_PROBLEM):
+        return escape(setup[len(IMAGE_PROBLEM):], 400)
+    if setup:
+        return f"ldconfig sandbox setup failed: {escape(setup, 400)}"
     status = result["status"]
     if status == 0:
         return None
     if status < 0:
         what = f"process {escape(program)} terminated with signal {-status} ({_signame(-status)})"
     else:
-        what = f"process {escape(program)} failed with error code: {status}"
-    text = result["output"].strip()
-    # The last lines hold the fatal message; earlier ones are usually warnings.
-    return f"{what}: {escape(text[-600:], 600)}" if text else what
+        what = f"process {escape(program)} failed with error code: {status}"   # upstream's words
+    lines = [line.strip() for line in result["output"].splitlines() if line.strip()]
+    if not lines:
+        return what
+    last = lines[-1]
+    for prefix in (f"{program}: ", "ldconfig: ", "/sbin/ldconfig: ", "/sbin/ldconfig.real: "):
+        last = last.removeprefix(prefix)
+    return f"{what}: {escape(last, 300)}"
 
 
 def _signame(signo: int) -> str:

@@ -5,7 +5,9 @@ namespace) leaves it for a private copy, takes the rootfs lock and forks the san
 new PID, network, IPC and UTS namespaces, the rootfs as ``/`` through a private nosuid/nodev
 bind, a fresh procfs, ``/sys`` and ``/dev`` covered, every mount below the rootfs read-only,
 no capabilities, ``no_new_privs``, rlimits, an empty environment and only the fds it needs,
-then ``execve`` of the sealed copy (:mod:`.sealed`). See :mod:`.ldconfig` for why each step.
+the image's ``ld.so.conf`` read by us and flattened into a file of the ``/dev`` cover
+(:mod:`.ldsoconf`), library links checked for FIFOs, then the seccomp filter (:mod:`.seccomp`)
+and ``execve`` of the sealed copy (:mod:`.sealed`). See :mod:`.ldconfig` for why each step.
 """
 
 from __future__ import annotations
@@ -19,21 +21,33 @@ import prctl
 
 from ..errors import NvcError, escape
 from ..fs import syscalls as sc
-from . import ns, worker
+from . import ldsoconf, ns, worker
+from .seccomp import Installer
 
 MAX_OUTPUT = 64 << 10      # ldconfig output kept for the debug log and the error message
 MAX_SETUP_ERROR = 4096
 
 SANDBOX_NAMESPACES = ns.CLONE_NEWNS | ns.CLONE_NEWPID | ns.CLONE_NEWNET | ns.CLONE_NEWIPC | ns.CLONE_NEWUTS
 
-# As upstream (REFERENCE §3.5), except the file size: a cache listing a few thousand libraries
-# is well over upstream's 1 MiB.
+# Set right before the seccomp filter and execve. Memory is bounded by RLIMIT_DATA (heap and
+# private writable mappings: what ldconfig allocates), not by the address space: ldconfig maps
+# each library whole, read-only and shared, and a CUDA image has libraries of a GiB and more,
+# which RLIMIT_AS in the tens of MiB would silently drop from the cache. A cache of 5,000
+# libraries needs under 8 MiB of data. The file size is over upstream's 1 MiB: a cache listing
+# a few thousand libraries is larger.
+DATA_LIMIT = 32 << 20
 RLIMITS = (
     (resource.RLIMIT_CPU, 10),
-    (resource.RLIMIT_AS, 2 << 30),
-    (resource.RLIMIT_NOFILE, 64),  # also ends include loops at once (SECURITY §3.2 item 11)
+    (resource.RLIMIT_AS, 64 << 30),
+    (resource.RLIMIT_NOFILE, 64),
     (resource.RLIMIT_FSIZE, 64 << 20),
+    (resource.RLIMIT_DATA, DATA_LIMIT),
 )
+
+# ldconfig's configuration: the image's, flattened by us into the /dev cover (or /sys's, for an
+# image without a /dev directory); the cover is sized for ldsoconf.MAX_TOTAL.
+CONF_NAME = "ld.so.conf"
+_CONF_COVER_DATA = "mode=0755,size=2m,nr_inodes=16"
 
 # Mounts that cover parts of the rootfs: read-only, nothing executable, no devices, no set-id.
 _COVER_FLAGS = sc.MS_RDONLY | sc.MS_NOSUID | sc.MS_NODEV | sc.MS_NOEXEC
@@ -89,7 +103,8 @@ def sandbox(job) -> dict:
     pid = os.fork()
     if pid == 0:
         try:
-            _sandbox_init(rootfs, job.argv, exe, job.uid, job.gid, job.cap_last, stdin_r, out_w, err_w)
+            _sandbox_init(rootfs, job.argv, exe, job.uid, job.gid, job.cap_last, stdin_r, out_w, err_w,
+                          Installer(job.seccomp))
         finally:
             os._exit(126)  # only reached if execve did not happen
     for fd in (exe, stdin_r, out_w, err_w):
@@ -132,7 +147,8 @@ def _read_tail(fd: int, limit: int) -> bytes:
 
 
 def _sandbox_init(
-    rootfs: str, argv: list[str], exe: int, uid: int, gid: int, cap_last: int, stdin: int, out: int, err: int
+    rootfs: str, argv: list[str], exe: int, uid: int, gid: int, cap_last: int, stdin: int, out: int, err: int,
+    seccomp: Installer,
 ):
     step = "start"
     try:
@@ -179,10 +195,28 @@ def _sandbox_init(
         # host's init, and no other process is visible.
         step = "mount /proc"
         _mount_on_dir(root, "proc", "proc", "proc", _COVER_FLAGS, None)
-        step = "cover /sys"
-        _mount_on_dir(root, "sys", "tmpfs", "tmpfs", _COVER_FLAGS, _TMPFS_DATA)
-        step = "cover /dev"
-        _mount_on_dir(root, "dev", "tmpfs", "tmpfs", _COVER_FLAGS, _TMPFS_DATA)
+        # /dev and /sys: empty tmpfs, except ldconfig's configuration (read from the image by
+        # us, bounded, in-root: see ldsoconf), written into the first of them before it is
+        # made read-only like the other.
+        step = "read ld.so.conf"
+        flat = ldsoconf.Flattener(root)
+        conf = flat.flatten()
+        # into ldconfig's output (the --debug trace); a few lines: the pipe is read only later
+        shown = [f"nvcontainer: {escape(line, 300)}" for line in flat.warnings[:16]]
+        if len(flat.warnings) > 16:
+            shown.append(f"nvcontainer: {len(flat.warnings) - 16} more configuration warnings")
+        if shown:
+            os.write(out, "".join(line + "\n" for line in shown).encode("utf-8", "backslashreplace"))
+        conf_path = None
+        for name in ("dev", "sys"):
+            step = f"cover /{name}"
+            if conf_path is None and _cover_with_file(root, name, CONF_NAME, conf):
+                conf_path = f"/{name}/{CONF_NAME}"
+            else:
+                _mount_on_dir(root, name, "tmpfs", "tmpfs", _COVER_FLAGS, _TMPFS_DATA)
+        if conf_path is None:
+            raise OSError(0, "the rootfs has neither /dev nor /sys as a directory to hold ldconfig's configuration")
+        argv = [argv[0], "-f", conf_path, *argv[3:]]
 
         # Swap roots and drop the old one entirely: afterwards no path leads out of the rootfs.
         step = "pivot_root"
@@ -194,14 +228,20 @@ def _sandbox_init(
         if os.getcwd() != "/":  # CVE-2024-21626: a cwd outside the new root reads "(unreachable)"
             raise OSError(0, "working directory is outside the new root")
 
+        # ldconfig opens, blocking, what a library-named link leads to: a FIFO there would hold
+        # it until the deadline. Refused now, in one line (the kernel resolves in the new root).
+        step = "check library links"
+        scanned = [os.fsencode(d) for d in argv[5:]] + ldsoconf.directories(flat.lines) + _system_dirs()
+        problem = ldsoconf.blocking_link(scanned)
+        if problem:
+            step = "image"
+            raise OSError(0, problem)
+
         # Fixed fd layout: everything else, including the worker's result pipe, is closed.
         step = "arrange fds"
         _arrange_fds(stdin, out, exe, err)
         err = _FD_SETUP_ERR
 
-        step = "set rlimits"
-        for which, value in RLIMITS:
-            resource.setrlimit(which, (value, value))
         # Python ignores these two; ldconfig should die of them as any program would.
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
@@ -225,12 +265,19 @@ def _sandbox_init(
         step = "set no_new_privs"
         prctl.set_no_new_privs(True)
 
+        # Last, as nothing after them may need more memory or another system call.
+        step = "set rlimits"
+        for which, value in RLIMITS:
+            resource.setrlimit(which, (value, value))
+        step = "install seccomp filter"
+        seccomp.install()
         step = "execve"
         os.execve(_FD_EXE, argv, {})
     except BaseException as exc:
         detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        message = f"{step}: {detail}" if step != "image" else f"image: {detail}"
         try:
-            os.write(err, f"{step}: {detail}".encode("utf-8", "backslashreplace")[:MAX_SETUP_ERROR])
+            os.write(err, message.encode("utf-8", "backslashreplace")[:MAX_SETUP_ERROR])
         finally:
             os._exit(126)
 
@@ -250,6 +297,39 @@ def _arrange_fds(stdin: int, out: int, exe: int, err: int) -> None:
     os.dup2(exe, _FD_EXE, inheritable=False)
     os.dup2(err, _FD_SETUP_ERR, inheritable=False)
     worker.close_fds_except([_FD_EXE, _FD_SETUP_ERR])
+
+
+def _system_dirs() -> list[bytes]:
+    """ldconfig's built-in directories (and the multiarch pair a Debian glibc adds)."""
+    triplet = f"{os.uname().machine}-linux-gnu".encode()
+    return [*ldsoconf.SYSTEM_DIRS, b"/lib/" + triplet, b"/usr/lib/" + triplet]
+
+
+def _cover_with_file(root: int, name: str, filename: str, content: bytes) -> bool:
+    """Cover the directory ``name`` of the rootfs with a tmpfs holding one read-only file,
+    then make the tmpfs read-only; False (nothing done) when ``name`` is not a directory."""
+    try:
+        target = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    try:
+        sc.mount("tmpfs", _fdpath(target), "tmpfs", _COVER_FLAGS & ~sc.MS_RDONLY, _CONF_COVER_DATA)
+        cover = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
+        try:
+            fd = os.open(filename, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444,
+                         dir_fd=cover)
+            try:
+                view = memoryview(content)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            sc.mount_setattr(cover, "", sc.AT_EMPTY_PATH, sc.MOUNT_ATTR_RDONLY)
+        finally:
+            os.close(cover)
+    finally:
+        os.close(target)
+    return True
 
 
 def _mount_on_dir(root: int, name: str, source: str, fstype: str, flags: int, data: str | None) -> None:

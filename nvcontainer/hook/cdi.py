@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
 
 from .. import log
@@ -106,6 +105,8 @@ def main(argv: list[str]) -> int:
         return 0
     except NvcError as exc:
         return log.fail(exc, PROG)
+    except Exception as exc:  # a bug of ours: still one line, never a traceback in the runtime's error
+        return log.fail(NvcError("internal", f"{type(exc).__name__}: {escape(exc)}"), PROG)
     finally:
         log.close()
 
@@ -146,7 +147,7 @@ def _container():
     from ..request import oci
 
     try:
-        state = oci.read_state(sys.stdin.fileno())
+        state = oci.read_state_from_stdin()
     except NvcError as exc:
         if exc.detail.startswith("state: pid:"):
             raise NvcError("input", f"{exc.detail}: CDI hooks run at createRuntime, where the state holds the "

@@ -73,7 +73,7 @@ def prestart(opts: dict, dry_run: bool) -> int:
         root=opts.get("root"), ldcache=opts.get("ldcache"), debug=opts.get("debug"), user=opts.get("user"))
     if cfg.debug:
         log.open_debug(cfg.debug)
-    state = oci.read_state(sys.stdin.fileno())
+    state = oci.read_state_from_stdin()
     spec = oci.read_spec(state.bundle)
     served = f" (served by nvcontainer serve, pid {SERVED_BY})" if SERVED_BY else ""
     log.info(f"prestart: pid {state.pid}, bundle {state.bundle}{served}")
@@ -116,10 +116,13 @@ def run(argv: list[str]) -> int:
         sys.stderr.write(f"{PROG}: input error: unknown stage {escape(stage)} (prestart, poststart or poststop)\n")
         return 2
     from .. import log
+    from ..errors import escape
 
     try:
         return prestart(opts, dry_run)
     except NvcError as exc:
         return log.fail(exc, PROG)
+    except Exception as exc:  # a bug of ours: still one line, never a traceback in the runtime's error
+        return log.fail(NvcError("internal", f"{type(exc).__name__}: {escape(exc)}"), PROG)
     finally:
         log.close()
