@@ -1,12 +1,13 @@
 import json
 import os
+import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nvcontainer.errors import NvcError
-from nvcontainer.request.oci import PID_MAX_LIMIT, Mount, parse_spec, parse_state, read_spec, read_state
+from nvcontainer.request.oci import PID_MAX_LIMIT, STATE_CAP, Mount, parse_spec, parse_state, read_spec, read_state
 
 
 def state(**fields) -> bytes:
@@ -299,3 +300,118 @@ def test_spec_bytes_never_crash(data):
 @given(spec_like)
 def test_spec_structured_never_crash(obj):
     _only_nvc_error(parse_spec, json.dumps(obj).encode(), "/b")
+
+
+# --- the state without end of file (issue 15, item 2) -------------------------------------------
+
+def _writer(payload: bytes, then_sleep: float):
+    """A pipe whose writer sends ``payload`` and then keeps the pipe open (a runtime that never
+    closes the hook's stdin); returns (read end, writer pid)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.write(w, payload)
+        time.sleep(then_sleep)
+        os._exit(0)
+    os.close(w)
+    return r, pid
+
+
+def _reap(r: int, pid: int) -> None:
+    os.close(r)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("tail", [b"", b"\n", b" \t\r\n"])
+def test_read_state_stops_at_a_complete_document(tail):
+    """Before: read to EOF, so a writer that never closed hung the hook until the runtime's
+    timeout. Now the first complete object (plus whitespace) ends the read at once."""
+    r, pid = _writer(state(pid=31, bundle="/b", annotations={"k": "v" * 200000}) + tail, 30)
+    try:
+        start = time.monotonic()
+        s = read_state(r)
+        assert time.monotonic() - start < 1
+    finally:
+        _reap(r, pid)
+    assert s.pid == 31 and len(s.annotations["k"]) == 200000
+
+
+@pytest.mark.parametrize("payload", [b'{"pid": 31, "bundle": "/b"', b"", b'{"pid": 31} {', b'"}'])
+def test_read_state_time_bound(payload):
+    """An incomplete document (or trailing data) and no EOF: one line after the time bound."""
+    r, pid = _writer(payload, 30)
+    try:
+        start = time.monotonic()
+        msg = error(read_state, r, STATE_CAP, 0.3)
+        assert time.monotonic() - start < 2
+    finally:
+        _reap(r, pid)
+    assert msg == (f"input error: state: no complete JSON document on standard input within 0.3s "
+                   f"({len(payload)} bytes, not closed)")
+
+
+def test_read_state_from_an_endless_source_is_cut_by_the_cap():
+    fd = os.open("/dev/zero", os.O_RDONLY)
+    try:
+        assert "larger than 4096 bytes" in error(read_state, fd, 4096)
+    finally:
+        os.close(fd)
+
+
+# --- keys runc and crun read differently (issue 15, item 3) ---------------------------------------
+
+AMBIGUOUS = [
+    ("env-and-Env", b'{"ociVersion": "1", "root": {"path": "r"}, "process": {"env": ["A=1"], "Env": ["A=2"]}}',
+     'config.json: process: ambiguous keys "env" and "Env"'),
+    ("env-twice", b'{"ociVersion": "1", "root": {"path": "r"}, "process": {"env": ["A=1"], "env": ["A=2"]}}',
+     'config.json: process: ambiguous keys "env" and "env"'),
+    ("Env-alone", b'{"ociVersion": "1", "root": {"path": "r"}, "process": {"ENV": ["A=2"]}}',
+     "config.json: process: key \"ENV\" is not 'env'"),
+    ("process-twice", b'{"ociVersion": "1", "root": {"path": "r"}, "process": {}, "Process": {"env": []}}',
+     'config.json: ambiguous keys "process" and "Process"'),
+    ("root-path-case", b'{"ociVersion": "1", "root": {"path": "r", "PATH": "/"}}',
+     'config.json: root: ambiguous keys "path" and "PATH"'),
+    ("mounts-long-s", '{"ociVersion": "1", "root": {"path": "r"}, "mount\u017f": []}'.encode(),
+     'config.json: key "mount\u017f" is not \'mounts\''),
+    ("capabilities-long-s", '{"ociVersion": "1", "root": {"path": "r"}, "process": {"capabilities": '
+                            '{"bounding": []}, "capabilitie\u017f": {"bounding": ["CAP_SYS_ADMIN"]}}}'.encode(),
+     'config.json: process: ambiguous keys "capabilities" and "capabilitie\u017f"'),
+    ("mount-destination", b'{"ociVersion": "1", "root": {"path": "r"}, "mounts": [{"destination": "/a", '
+                          b'"Destination": "/b"}]}',
+     'config.json: mounts[0]: ambiguous keys "destination" and "Destination"'),
+    ("annotation-twice", b'{"ociVersion": "1", "root": {"path": "r"}, "annotations": {"a": "1", "a": "2"}}',
+     'config.json: annotations: duplicate key "a"'),
+    ("oci-version-case", b'{"ociversion": "1", "root": {"path": "r"}}', "key \"ociversion\" is not 'ociVersion'"),
+]
+
+
+@pytest.mark.parametrize("data, message", [c[1:] for c in AMBIGUOUS], ids=[c[0] for c in AMBIGUOUS])
+def test_ambiguous_spec_keys_are_refused(data, message):
+    """Before: Python's json kept the last duplicate and matched keys exactly, so the hook
+    decided on other variables than runc (case-insensitive, last wins) or crun (exact, first
+    wins) gave the container. Now such a spec is refused in one line naming the keys."""
+    msg = error(parse_spec, data, "/b")
+    assert message in msg and "\n" not in msg
+
+
+def test_annotation_keys_differing_in_case_are_distinct():
+    """Map keys are matched exactly by both runtimes: "a" and "A" are two annotations."""
+    s = parse_spec(b'{"ociVersion": "1", "root": {"path": "r"}, "annotations": {"a": "1", "A": "2"}}', "/b")
+    assert s.annotations == {"a": "1", "A": "2"}
+
+
+def test_unread_fields_may_vary():
+    """Keys the hook does not read (linux, hooks, ...) are the runtime's business."""
+    s = parse_spec(b'{"ociVersion": "1", "root": {"path": "r"}, "linux": {}, "Linux": {}, "hooks": {}}', "/b")
+    assert s.rootfs == "/b/r"
+
+
+def test_go_folding():
+    """Go folds ASCII case and the long s and Kelvin sign onto s and k; nothing else."""
+    from nvcontainer.request.oci import _fold
+
+    assert _fold("ENV") == _fold("env") == "env"
+    assert _fold("mount\u017f") == "mounts" and _fold("\u212aey") == "key"
+    assert _fold("\u0130d") != "id" and _fold("stra\u00dfe") != "strasse"

@@ -243,7 +243,8 @@ def blocking_link(directories: list[bytes], limit: int = MAX_ENTRIES) -> str | N
                     except OSError:
                         continue   # dangling or unreadable: ldconfig skips it too
                     if not (stat.S_ISREG(target.st_mode) or stat.S_ISDIR(target.st_mode)):
-                        what = "a FIFO" if stat.S_ISFIFO(target.st_mode) else "a socket or device node"
+                        what = ("a FIFO" if stat.S_ISFIFO(target.st_mode) else "a socket" if stat.S_ISSOCK(target.st_mode)
+                                else "a device node")
                         return (f"{os.fsdecode(directory)}/{name}: a library link to {what}, "
                                 "which ldconfig would open and wait on; refusing the image")
         except OSError:

@@ -228,19 +228,20 @@ def _sandbox_init(
         if os.getcwd() != "/":  # CVE-2024-21626: a cwd outside the new root reads "(unreachable)"
             raise OSError(0, "working directory is outside the new root")
 
+        # Fixed fd layout: everything else, including the worker's result pipe, is closed.
+        step = "arrange fds"
+        _arrange_fds(stdin, out, exe, err)
+        err = _FD_SETUP_ERR
+
         # ldconfig opens, blocking, what a library-named link leads to: a FIFO there would hold
-        # it until the deadline. Refused now, in one line (the kernel resolves in the new root).
+        # it until the deadline. Refused now, in one line (the kernel resolves in the new root,
+        # with the fds ldconfig will have: /proc/self/fd/1 is its output pipe).
         step = "check library links"
         scanned = [os.fsencode(d) for d in argv[5:]] + ldsoconf.directories(flat.lines) + _system_dirs()
         problem = ldsoconf.blocking_link(scanned)
         if problem:
             step = "image"
             raise OSError(0, problem)
-
-        # Fixed fd layout: everything else, including the worker's result pipe, is closed.
-        step = "arrange fds"
-        _arrange_fds(stdin, out, exe, err)
-        err = _FD_SETUP_ERR
 
         # Python ignores these two; ldconfig should die of them as any program would.
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)

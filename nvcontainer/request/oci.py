@@ -110,11 +110,11 @@ def _get(obj: dict, name: str, where: str):
     if not matches:
         return None
     if len(matches) > 1:
-        keys = " and ".join(escape(json.dumps(key), 80) for key in matches[:3])
+        keys = " and ".join(escape(json.dumps(key, ensure_ascii=False), 80) for key in matches[:3])
         raise NvcError("input", f"{where}: ambiguous keys {keys}: runc reads them as one field {name!r} "
                                 "(the last), crun only an exact, first one; refusing the spec")
     if matches[0] != name:
-        raise NvcError("input", f"{where}: key {escape(json.dumps(matches[0]), 80)} is not {name!r}: runc reads it "
+        raise NvcError("input", f"{where}: key {escape(json.dumps(matches[0], ensure_ascii=False), 80)} is not {name!r}: runc reads it "
                                 "as that field, crun ignores it; refusing the spec")
     return obj[name]
 
@@ -127,7 +127,7 @@ def _unique(obj: dict, where: str) -> None:
         seen: set[str] = set()
         for key in written:
             if key in seen:
-                raise NvcError("input", f"{where}: duplicate key {escape(json.dumps(key), 80)}: runc keeps the last "
+                raise NvcError("input", f"{where}: duplicate key {escape(json.dumps(key, ensure_ascii=False), 80)}: runc keeps the last "
                                         "value, crun the first; refusing the spec")
             seen.add(key)
 
