@@ -17,7 +17,7 @@ def test_defaults():
     assert c.accept_envvar_unprivileged
     assert c.swarm_resource == ()
     assert c.cuda_compat_mode == "ldconfig"
-    assert c.deadline == 30
+    assert c.deadline == 20
 
 
 def test_empty_file_is_defaults():

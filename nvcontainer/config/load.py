@@ -26,7 +26,7 @@ accept-nvidia-visible-devices-envvar-when-unprivileged     true                 
                                                                                  GPUs only through volume mounts
 accept-nvidia-visible-devices-as-volume-mounts             false                 honour /dev/null device mounts
 cuda-compat-mode                                           "ldconfig"            or "disabled"
-deadline                                                   30                    seconds for a whole hook run
+deadline                                                   20                    seconds for a whole hook run
 cache-dir                                                  "/run/nvcontainer"    root-only directory of the per-boot
                                                                                  driver inventory cache (absolute)
 driver-volume-dir                                          "/var/lib/nvcontainer/volumes"

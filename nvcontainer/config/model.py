@@ -27,7 +27,7 @@ class Config:
     accept_envvar_unprivileged: bool = True
     accept_volume_mounts: bool = False
     cuda_compat_mode: str = "ldconfig"
-    deadline: float = 30
+    deadline: float = 20   # well under the 60 s timeout of the shipped registrations
     cache_dir: str = "/run/nvcontainer"
     driver_volume_dir: str = "/var/lib/nvcontainer/volumes"
     allowed_devices: tuple[str, ...] | None = None

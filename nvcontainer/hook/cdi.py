@@ -20,7 +20,7 @@ from .. import log
 from ..errors import NvcError, escape
 from .usage import PROG, Usage, usage_status
 
-DEADLINE = 30.0
+DEADLINE = 20.0   # the prestart hook's default (config.toml deadline), under any registration's timeout
 MAX_LINKS = 4096
 MAX_PATH = 4096
 PARAMS = "/proc/driver/nvidia/params"
