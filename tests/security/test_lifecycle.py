@@ -11,8 +11,7 @@
 * The hook is SIGKILLed at random points (runc and crun kill only the hook's PID on their
   timeout): no worker, sandbox or ldconfig survives, a cgroup v2 container never loses its
   device program, and a restart (a new container on the half-prepared rootfs) succeeds.
-* A step hangs (NVML never answers, ldconfig blocks on a FIFO the image put in its
-  ``ld.so.conf``): the configured deadline ends the run with one line, nothing left running.
+* A step hangs (NVML never answers, ldconfig never ends): the configured deadline ends the run with one line, nothing left running.
 * 100 containers start at once (24 in the default run), some sharing one rootfs: each gets
   exactly its own GPU.
 
@@ -272,15 +271,21 @@ def test_hook_killed_under_a_runtime(sec_machine, workdir, variant):
 DEADLINE = 2
 
 
-def _config(workdir) -> str:
+def _config(workdir, step: str = "nvml") -> str:
+    """The short deadline; for the ldconfig step also an ldconfig that never ends. (An image's
+    FIFO no longer hangs ldconfig: the sandbox reads ld.so.conf itself and refuses library links
+    to FIFOs at once, test_hostile_files. A static host program that spins stands in for an
+    ldconfig stuck on something our checks could not see, e.g. a FIFO swapped in after them.)"""
     path = workdir / "config.toml"
-    path.write_text(f"deadline = {DEADLINE}\n")
+    text = f"deadline = {DEADLINE}\n"
+    if step == "ldconfig":
+        src = workdir / "spin.c"
+        src.write_text("int main(void) { for (;;) {} }\n")
+        subprocess.run(["gcc", "-static", "-O0", "-o", str(workdir / "spin"), str(src)], check=True,
+                       timeout=RUN_SECONDS)
+        text += f'ldconfig = "@{workdir / "spin"}"\n'
+    path.write_text(text)
     return str(path)
-
-
-def _fifo_include(rootfs) -> None:
-    os.mkfifo(rootfs / "etc/nvc-hang.conf")
-    (rootfs / "etc/ld.so.conf").write_text("include /etc/nvc-hang.conf\ninclude /etc/ld.so.conf.d/*.conf\n")
 
 
 @pytest.mark.parametrize("variant", s.variants((s.DIRECT_V1,), s.DIRECT), ids=str)
@@ -288,13 +293,11 @@ def _fifo_include(rootfs) -> None:
 def test_a_step_hangs_direct(fake_machine_factory, sec_machine, workdir, step, variant):
     machine = fake_machine_factory(FakeSpec(gpus=2, init_delay_ms=120_000)) if step == "nvml" else sec_machine
     rootfs = fresh_image(workdir / "rootfs", machine)
-    if step == "ldconfig":
-        _fifo_include(rootfs)
     with s.Container(rootfs, cgroup_version=_cg(variant)) as c:
         mine = set(descendants())
         started = time.monotonic()
         res = subprocess.run(s.configure_command(machine, variant, c.pid, rootfs,
-                                                 global_args=["--config", _config(workdir)]),
+                                                 global_args=["--config", _config(workdir, step)]),
                              capture_output=True, text=True, timeout=RUN_SECONDS)
         took = time.monotonic() - started
         line = s.one_line(res.stderr, "nvcontainer: ")
@@ -310,8 +313,7 @@ def test_a_step_hangs_under_a_runtime(fake_machine_factory, sec_machine, workdir
     s.need_runtime(variant, sec_machine)
     machine = fake_machine_factory(FakeSpec(gpus=2, init_delay_ms=120_000)) if step == "nvml" else sec_machine
     started = time.monotonic()
-    run = s.run_runtime(machine, workdir, variant, hook_args=["--config", _config(workdir)],
-                        image=_fifo_include if step == "ldconfig" else None)
+    run = s.run_runtime(machine, workdir, variant, hook_args=["--config", _config(workdir, step)])
     took = time.monotonic() - started
     out = run.outcome
     assert out.returncode != 0 and "DONE" not in out.facts
