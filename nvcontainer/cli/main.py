@@ -39,6 +39,8 @@ def cli(ctx: click.Context, root, ldcache, debug, user, config_path, load_kmods,
     if cfg.debug:
         log.open_debug(cfg.debug)
         log.info(f"running {PROG} {__version__}: {' '.join(sys.argv[1:])}")
+        for line in cfg.report():
+            log.info(line)
     if load_kmods:
         log.warning("--load-kmods ignored: nvcontainer does not load kernel modules")
     ctx.obj = Context(cfg)

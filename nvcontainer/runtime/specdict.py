@@ -1,0 +1,29 @@
+"""Typed access to the parts of a config.json object the shim edits.
+
+Why: the spec is the image's and the engine's, and an edit walks into ``hooks``, ``linux``,
+``process`` and ``mounts`` that the strict reader (:mod:`..request.oci`) has not typed. A part of
+the wrong type (``"hooks": []``) is one line naming it, never a traceback; a missing part is
+created empty, as the OCI spec allows it to be absent.
+"""
+
+from __future__ import annotations
+
+from ..errors import NvcError
+
+
+def table(obj: dict, key: str, where: str = "config.json") -> dict:
+    value = obj.get(key)
+    if value is None:
+        value = obj[key] = {}
+    if not isinstance(value, dict):
+        raise NvcError("input", f"{where}: {key}: expected an object")
+    return value
+
+
+def items(obj: dict, key: str, where: str = "config.json") -> list:
+    value = obj.get(key)
+    if value is None:
+        value = obj[key] = []
+    if not isinstance(value, list):
+        raise NvcError("input", f"{where}: {key}: expected a list")
+    return value
