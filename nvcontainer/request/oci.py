@@ -241,10 +241,10 @@ def read_spec_file(path: str, cap: int = SPEC_CAP) -> tuple[bytes, os.stat_resul
         if not stat.S_ISREG(st.st_mode):
             raise NvcError("input", f"{escape(path)}: not a regular file")
         if st.st_size > cap:
-            raise NvcError("input", f"config.json: larger than {cap} bytes")
+            raise NvcError("input", f"{escape(path)}: larger than {cap} bytes")
         data, more = read_at_most(fd, cap)
         if more:
-            raise NvcError("input", f"config.json: larger than {cap} bytes")
+            raise NvcError("input", f"{escape(path)}: larger than {cap} bytes")
     except OSError as exc:
         raise NvcError("input", f"cannot read {escape(path)}: {exc.strerror}") from None
     finally:
