@@ -271,3 +271,189 @@ def test_corpus_mutations(scanner):
     for config_text in FUZZ_CONFIGS:
         specs = [_mutate(rng.choice(corpus), rng) for _ in range(1500)]
         check_property(scanner(config_text), parse_config(config_text), specs)
+
+
+# --- the program: what it runs, with what --------------------------------------------------------------
+
+RECORDER = """#!/bin/sh
+{{ printf '%s\\n' "$0" "$@"; echo ---; env; echo ---; pwd; }} > {out}
+"""
+
+PLANTED_LIB = r"""
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <unistd.h>
+__attribute__((constructor)) static void planted(void)
+{
+    char exe[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    exe[n > 0 ? n : 0] = 0;
+    int fd = open(MARKERS "/preload", O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    dprintf(fd, "%s\n", exe);
+    close(fd);
+}
+"""
+PLANTED_PY = "import os\nwith open({marker!r}, 'a') as f: f.write('{what}\\n')\n"
+
+
+class Front:
+    """The real front, built to read ``config.toml`` in ``base``, with a recording low-level runtime."""
+
+    def __init__(self, base: Path, runtimes: str | None = None):
+        self.base = base
+        self.out = base / "recorded"
+        self.log = base / "runtime.log"
+        self.recorder = base / "recorder"
+        self.recorder.write_text(RECORDER.format(out=self.out))
+        self.recorder.chmod(0o755)
+        self.config = base / "config.toml"
+        self.config.write_text(f'[nvidia-container-runtime]\nruntimes = ["{runtimes or self.recorder}"]\n'
+                               f'debug = "{self.log}"\n')
+        self.program = build_front(base / "nvidia-container-runtime", self.config)
+
+    def run(self, *args, env=None, cwd=None):
+        return subprocess.run([str(self.program), *args], capture_output=True, text=True, timeout=60,
+                              env=env if env is not None else {"PATH": "/usr/bin:/bin"}, cwd=cwd or self.base)
+
+    def recorded(self) -> tuple[list[str], dict, str]:
+        argv, env, cwd = self.out.read_text().split("---\n")
+        return argv.splitlines(), dict(line.split("=", 1) for line in env.splitlines() if "=" in line), cwd.strip()
+
+    def python_ran(self) -> bool:
+        return self.log.exists() and "prepare.py" in self.log.read_text()
+
+
+@pytest.fixture
+def front(tmp_path):
+    return Front(tmp_path)
+
+
+def make_bundle(base: Path, spec: bytes) -> Path:
+    b = base / "bundle"
+    b.mkdir()
+    (b / "config.json").write_bytes(spec)
+    return b
+
+
+def test_commands_go_to_the_runtime_unchanged(front):
+    env = {"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": "/run/user/1000", "ODD": "a b\tc"}
+    res = front.run("--root", "/r", "--log-format=json", "kill", "id", "KILL", env=env, cwd="/tmp")
+    assert res.returncode == 0, res.stderr
+    argv, got_env, cwd = front.recorded()
+    assert argv == [str(front.recorder), "--root", "/r", "--log-format=json", "kill", "id", "KILL"]
+    assert {k: got_env[k] for k in env} == env and cwd == "/tmp"
+    assert not front.python_ran()
+
+
+def test_a_create_that_asks_for_nothing_is_not_even_read_twice(front):
+    b = make_bundle(front.base, spec_bytes(["HOME=/root"]))
+    before = os.stat(b / "config.json")
+    data = (b / "config.json").read_bytes()
+    res = front.run("--root", "/r", "create", "--bundle", str(b), "--pid-file", "/p", "id")
+    assert res.returncode == 0, res.stderr
+    after = os.stat(b / "config.json")
+    assert (b / "config.json").read_bytes() == data
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert front.recorded()[0][1:] == ["--root", "/r", "create", "--bundle", str(b), "--pid-file", "/p", "id"]
+    assert not front.python_ran()
+
+
+def test_a_create_that_may_ask_goes_to_python_first(front):
+    b = make_bundle(front.base, spec_bytes(["NVIDIA_VISIBLE_DEVICES=void"]))
+    data = (b / "config.json").read_bytes()
+    res = front.run("create", "id", cwd=b, env={"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": "/run/user/7"})
+    assert res.returncode == 0, res.stderr
+    assert front.python_ran() and "left as it is" in front.log.read_text()
+    assert (b / "config.json").read_bytes() == data
+    argv, env, cwd = front.recorded()
+    assert argv[1:] == ["create", "id"] and env["XDG_RUNTIME_DIR"] == "/run/user/7" and cwd == str(b)
+
+
+def test_nothing_of_the_callers_environment_or_directory_runs(front, tmp_path):
+    """LD_PRELOAD, PYTHONPATH, PYTHONHOME, PYTHONSTARTUP and a working directory holding a
+    package of our name: none of it runs in the front or the Python half. The low-level runtime
+    gets the environment as the engine gave it (runc needs it): the stand-in here is a shell
+    script, so the planted library runs there, and only there."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    plant = tmp_path / "plant"
+    (plant / "nvcontainer" / "runtime").mkdir(parents=True)
+    for name in ("sitecustomize.py", "usercustomize.py", "runpy.py", "nvcontainer/__init__.py",
+                 "nvcontainer/runtime/__init__.py", "nvcontainer/runtime/__main__.py", "startup.py"):
+        (plant / name).write_text(PLANTED_PY.format(marker=str(markers / "python"), what=name))
+    (plant / "planted.c").write_text(PLANTED_LIB)
+    subprocess.run(["gcc", "-shared", "-fPIC", f'-DMARKERS="{markers}"', "-o", str(plant / "planted.so"),
+                    str(plant / "planted.c")], check=True)
+    b = make_bundle(front.base, spec_bytes(["NVIDIA_VISIBLE_DEVICES=void"]))
+    hostile = {"PATH": f"{plant}:/usr/bin:/bin", "LD_PRELOAD": str(plant / "planted.so"), "PYTHONPATH": str(plant),
+               "PYTHONHOME": str(plant), "PYTHONSTARTUP": str(plant / "startup.py"), "PYTHONINSPECT": "1"}
+    res = front.run("create", "--bundle", str(b), "id", env=hostile, cwd=plant)
+    assert res.returncode == 0, res.stderr
+    assert front.python_ran()                                  # the Python half ran, untouched by all this
+    assert not (markers / "python").exists()
+    ran = set((markers / "preload").read_text().split())
+    assert ran and all(os.path.basename(exe) in ("dash", "bash", "sh", "env") for exe in ran), ran
+    assert front.recorded()[1]["LD_PRELOAD"] == str(plant / "planted.so")
+
+
+@pytest.mark.parametrize("args", [["state", "id"], ["create", "--bundle", "{b}", "id"]])
+def test_a_missing_runtime_is_one_line(tmp_path, args):
+    front = Front(tmp_path, runtimes="/nonexistent/runc")
+    b = make_bundle(tmp_path, spec_bytes(["HOME=/"]))
+    res = front.run(*[a.format(b=b) for a in args])
+    assert res.returncode == 1 and res.stdout == ""
+    assert res.stderr == ("nvidia-container-runtime: runtime error: no low-level runtime found: none of "
+                          "/nonexistent/runc is an executable file (names are looked up in "
+                          "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin; set runtimes in "
+                          "[nvidia-container-runtime])\n")
+
+
+def test_the_front_never_runs_itself(tmp_path):
+    os.symlink(tmp_path / "nvidia-container-runtime", tmp_path / "runc")
+    front = Front(tmp_path, runtimes=str(tmp_path / "runc"))
+    res = front.run("state", "id")
+    assert res.returncode == 1 and res.stderr.count("\n") == 1
+    assert "is this program" in res.stderr
+
+
+def _duplicate_keys_refused() -> bool:
+    from nvcontainer.request import oci
+
+    try:
+        oci.spec_object(b'{"a": 1, "a": 2}')
+    except NvcError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "huge", "not-json", "duplicate-keys", "wrong-type"])
+def test_a_hostile_spec_stops_the_create(front, kind):
+    if kind == "duplicate-keys" and not _duplicate_keys_refused():
+        pytest.skip("request/oci.py does not refuse duplicate keys yet (the hardening work)")
+    b = front.base / "bundle"
+    b.mkdir()
+    path = b / "config.json"
+    gpu = spec_bytes(["NVIDIA_VISIBLE_DEVICES=0"])
+    if kind == "symlink":
+        (b / "real.json").write_bytes(gpu)
+        path.symlink_to("real.json")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "huge":
+        path.write_bytes(gpu[:-2] + b" " * (16 << 20) + b"}\n")
+    elif kind == "not-json":
+        path.write_bytes(gpu[:-10])
+    elif kind == "duplicate-keys":
+        path.write_bytes(gpu[:-2] + b', "process": {"env": ["NVIDIA_VISIBLE_DEVICES=void"]}}')
+    else:
+        path.write_bytes(gpu.replace(b'"linux": {', b'"hooks": [], "linux": {'))
+    listing = sorted(os.listdir(b))
+    kept = None if kind == "fifo" else os.lstat(path)
+    res = front.run("create", "--bundle", str(b), "id")
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("nvidia-container-runtime: input error:") and "config.json" in res.stderr
+    assert not front.out.exists()                      # the low-level runtime never ran
+    assert sorted(os.listdir(b)) == listing
+    if kept is not None:
+        assert os.lstat(path).st_ino == kept.st_ino and os.lstat(path).st_mtime_ns == kept.st_mtime_ns

@@ -30,6 +30,7 @@ from ..plan.gather import options_from_config
 from ..request import oci
 from ..request.decide import request_from_env
 from . import cdiedits, cdinames, legacy
+from . import specdict
 from .specdict import items, table
 
 # The library directories do not matter for which device nodes a request gets.
@@ -74,6 +75,8 @@ def edit(data: bytes, bundle: str, config: Config, world: World) -> Edit:
                                annotations=spec.annotations)
     if not request.gpu:
         return Edit(None, "legacy", "not a GPU container", request.warnings)
+    for path in (("hooks", "prestart"), ("linux", "devices"), ("linux", "resources", "devices")):
+        specdict.check(original, *path)
     plan = build_plan(request, world.inventory(), _FACTS, HostProc(), options_from_config(config),
                       rootfs=spec.rootfs)
     obj = oci.spec_object(data)

@@ -27,3 +27,18 @@ def items(obj: dict, key: str, where: str = "config.json") -> list:
     if not isinstance(value, list):
         raise NvcError("input", f"{where}: {key}: expected a list")
     return value
+
+
+def check(obj: dict, *path: str) -> None:
+    """That the objects along ``path`` and the list at its end, where present, have their types,
+    without creating anything: done before an edit reads the host, so a malformed spec fails first."""
+    where = "config.json"
+    for key in path[:-1]:
+        value = obj.get(key)
+        if value is None:
+            return
+        if not isinstance(value, dict):
+            raise NvcError("input", f"{where}: {key}: expected an object")
+        obj, where = value, f"{where}: {key}" if where == "config.json" else f"{where}.{key}"
+    if obj.get(path[-1]) is not None and not isinstance(obj[path[-1]], list):
+        raise NvcError("input", f"{where}: {path[-1]}: expected a list")
