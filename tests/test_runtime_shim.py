@@ -44,7 +44,8 @@ def spec_bytes(env=(), annotations=None, mounts=(), hooks=None, caps=("CAP_CHOWN
 class Untouchable:
     """A world that fails the test if the edit consults it."""
 
-    hook = HOOK
+    def hook(self):
+        raise AssertionError("the hook was looked up")
 
     def inventory(self):
         raise AssertionError("the inventory was read")
@@ -121,8 +122,10 @@ def two(fake_machine_factory):
 
 class Machine:
     def __init__(self, inv, view=None):
-        self.hook = HOOK
         self._inv, self._view = inv, view
+
+    def hook(self):
+        return HOOK
 
     def inventory(self):
         return self._inv

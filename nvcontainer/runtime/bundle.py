@@ -10,7 +10,6 @@ place. A failure at any step removes the new file and leaves the engine's as it 
 from __future__ import annotations
 
 import os
-import secrets
 import stat
 
 from ..errors import NvcError, escape
@@ -27,7 +26,7 @@ def write_back(path: str, data: bytes, old: os.stat_result) -> None:
         dfd = os.open(directory or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise NvcError("input", f"cannot open {escape(directory)}: {exc.strerror}") from None
-    tmp = f".{name}.nvcontainer-{secrets.token_hex(6)}"
+    tmp = f".{name}.nvcontainer-{os.urandom(6).hex()}"
     try:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)

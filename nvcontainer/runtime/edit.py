@@ -19,36 +19,34 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..cdi import store
-from ..cdi.store import SpecFile
 from ..config.model import Config
 from ..errors import NvcError, escape
-from ..plan.build import HostProc, build_plan
-from ..plan.container import ContainerFacts
-from ..plan.gather import options_from_config
 from ..request import oci
 from ..request.decide import request_from_env
-from . import cdiedits, cdinames, legacy
-from . import specdict
-from .specdict import items, table
+from . import cdinames, specdict
 
-# The library directories do not matter for which device nodes a request gets.
-_FACTS = ContainerFacts(libs_dir="/usr/lib64", libs32_dir="/usr/lib32")
+if TYPE_CHECKING:
+    from ..cdi.store import SpecFile
+
+# The planning and CDI modules are imported only for a container that needs them: the Python
+# half runs for every container the native front could not rule out, most of them asking for
+# nothing.
 
 
 @dataclass(frozen=True)
 class CdiView:
     """The spec directories as the shim sees them at this create."""
-    specs: tuple[SpecFile, ...]
+    specs: tuple["SpecFile", ...]
     problems: tuple[str, ...]                          # files that could not be used, one line each
-    stale: Callable[[SpecFile], str | None]            # why a spec is stale, or None
+    stale: Callable[["SpecFile"], str | None]          # why a spec is stale, or None
     probe: Callable[[str], tuple[str, int, int] | None]
 
 
 @dataclass(frozen=True)
 class World:
-    hook: dict                          # the prestart entry legacy mode adds
+    hook: Callable[[], dict]            # the prestart entry legacy mode adds, found on demand
     inventory: Callable[[], object]     # the driver inventory, read on demand
     cdi: Callable[[], CdiView]          # the CDI spec directories, read on demand
 
@@ -77,12 +75,19 @@ def edit(data: bytes, bundle: str, config: Config, world: World) -> Edit:
         return Edit(None, "legacy", "not a GPU container", request.warnings)
     for path in (("hooks", "prestart"), ("linux", "devices"), ("linux", "resources", "devices")):
         specdict.check(original, *path)
-    plan = build_plan(request, world.inventory(), _FACTS, HostProc(), options_from_config(config),
-                      rootfs=spec.rootfs)
+    from ..plan.build import HostProc, build_plan
+    from ..plan.container import ContainerFacts
+    from ..plan.gather import options_from_config
+    from . import legacy
+
+    # the library directories do not matter for which device nodes a request gets
+    facts = ContainerFacts(libs_dir="/usr/lib64", libs32_dir="/usr/lib32")
+    plan = build_plan(request, world.inventory(), facts, HostProc(), options_from_config(config), rootfs=spec.rootfs)
     obj = oci.spec_object(data)
-    legacy.apply(obj, world.hook, plan)
+    hook = world.hook()
+    legacy.apply(obj, hook, plan)
     nodes = ", ".join(d.path for d in plan.devices) if plan.cgroups else "none (no-cgroups)"
-    return Edit(_changed(original, obj), "legacy", f"hook {world.hook['path']}; device nodes and rules: {nodes}",
+    return Edit(_changed(original, obj), "legacy", f"hook {hook['path']}; device nodes and rules: {nodes}",
                 plan.warnings)
 
 
@@ -93,9 +98,12 @@ def _changed(original: dict, obj: dict) -> bytes | None:
 
 
 def _cdi(obj: dict, asked: cdinames.Asked, view: CdiView) -> str:
+    from ..cdi import store
+    from . import cdiedits, legacy
+
     names = {n.name: n for n in store.resolve_names(list(view.specs))}
     files = {s.path: s for s in view.specs}
-    used: dict[str, SpecFile] = {}
+    used: dict[str, "SpecFile"] = {}
     for name in asked.names:
         found = names.get(name)
         if found is None:
@@ -120,6 +128,6 @@ def _cdi(obj: dict, asked: cdinames.Asked, view: CdiView) -> str:
                        view.probe)
     hooks = obj.get("hooks")
     if isinstance(hooks, dict) and hooks.get("prestart") is not None:
-        prestart = items(table(obj, "hooks"), "prestart", "config.json: hooks")
+        prestart = specdict.items(specdict.table(obj, "hooks"), "prestart", "config.json: hooks")
         prestart[:] = [h for h in prestart if not legacy.is_gpu_hook(h)]
     return f"CDI devices {', '.join(asked.names)} from {', '.join(used)}"

@@ -84,14 +84,21 @@ def _cdi_view(config):
 
 def edit_bundle(inv: runtime_argv.Invocation, config, config_file: str | None) -> None:
     """Edit the bundle's spec for a create or run, or leave it untouched."""
-    from ..inventory.cache import cached_inventory
     from . import bundle
     from .edit import World, edit
-    from .legacy import hook_entry
+
+    def inventory():
+        from ..inventory.cache import cached_inventory
+
+        return cached_inventory(config)
 
     data, st = bundle.read(inv.spec_path)
-    hook = hook_entry(hook_program(config, os.path.dirname(sys.executable)), config_file, config.deadline)
-    world = World(hook=hook, inventory=lambda: cached_inventory(config), cdi=lambda: _cdi_view(config))
+    def hook():
+        from .legacy import hook_entry
+
+        return hook_entry(hook_program(config, os.path.dirname(sys.executable)), config_file, config.deadline)
+
+    world = World(hook=hook, inventory=inventory, cdi=lambda: _cdi_view(config))
     result = edit(data, inv.bundle, config, world)
     for warning in result.warnings:
         log.warning(warning)
