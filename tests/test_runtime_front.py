@@ -457,3 +457,11 @@ def test_a_hostile_spec_stops_the_create(front, kind):
     assert sorted(os.listdir(b)) == listing
     if kept is not None:
         assert os.lstat(path).st_ino == kept.st_ino and os.lstat(path).st_mtime_ns == kept.st_mtime_ns
+
+
+def test_a_node_without_musl_builds_it_with_its_c_library(tmp_path):
+    """musl-gcc is preferred (a faster start); the node's cc builds the same program."""
+    front = tmp_path / "front"
+    native.build_runtime(str(front), PY, None, cc=native.compiler(), defines=("NVC_SCAN_TEST",))
+    assert front_config(front)["runtimes"][0] == "1"
+    assert verdicts(front, [spec_bytes(["A=1"]), spec_bytes(["NVIDIA_VISIBLE_DEVICES=0"])]) == "nm"

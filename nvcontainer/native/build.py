@@ -62,8 +62,13 @@ def runtime_header(python: str, config: str | None = None) -> str:
 
 def build_runtime(dest: str, python: str, config: str | None = None, cc: str | None = None,
                   defines: tuple[str, ...] = ()) -> str:
-    """Compile the runtime front (``runtime.c``) to ``dest``, as :func:`build` does the client."""
-    return build(dest, python, cc, source=RUNTIME_SOURCE, header=runtime_header(python, config),
+    """Compile the runtime front (``runtime.c``) to ``dest``, as :func:`build` does the client.
+
+    With musl's ``musl-gcc`` where the node has it (Debian's musl-tools): the front runs once
+    more on every runtime call of every container, and a static musl program starts in about a
+    third of the time of a static glibc one (0.12 against 0.34 ms a call, docs/performance.md)."""
+    musl = shutil.which("musl-gcc", path="/usr/local/bin:/usr/bin:/bin")
+    return build(dest, python, cc or musl, source=RUNTIME_SOURCE, header=runtime_header(python, config),
                  flags=tuple(f"-D{d}" for d in defines), what="runtime front")
 
 
