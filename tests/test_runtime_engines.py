@@ -199,7 +199,11 @@ def run_podman(machine, shim: Shim, base: Path, env: list[str], script: str = CH
         shutil.rmtree(runroot, ignore_errors=True)
 
 
-def test_podman_runtime_gpu(machine, shim, tmp_path):
+@pytest.mark.parametrize("lowlevel", ["runc", "crun"])
+def test_podman_runtime_gpu(machine, tmp_path, lowlevel):
+    if shutil.which(lowlevel) is None:
+        pytest.skip(f"{lowlevel} is needed")
+    shim = Shim(tmp_path / "shim", machine, lowlevel=shutil.which(lowlevel))
     res = run_podman(machine, shim, tmp_path, ["NVIDIA_VISIBLE_DEVICES=1"])
     assert res.returncode == 0, res.stderr
     assert_sees_only(facts(res), 1)
