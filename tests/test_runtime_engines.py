@@ -26,8 +26,9 @@ import pytest
 
 from nvcontainer.native import build as native
 from tests.fixtures import containerd, runtime
-from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
+from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.fakegpu.runner import fake_proc_command
+from tests.test_cdi_podman import spec_dir  # noqa: F401 (a fixture: `cdi generate` for this module's machine)
 from tests.test_e2e_runtimes import ENXIO, EPERM, host_mounts
 
 CHECKS = r"""
@@ -256,17 +257,8 @@ def test_containerd_shows_the_shims_error(machine, shim, ctr_base):
 
 # --- CDI mode -------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def cdi_dir(machine, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cdi")
-    res = run_in_fake_proc(machine, [sys.executable, "-m", "nvcontainer", "--root", str(machine.root), "cdi",
-                                     "generate", "--output", str(out / "nvidia.yaml")],
-                           capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    return out
-
-
-def test_cdi_names_through_runc(machine, cdi_dir, tmp_path):
+def test_cdi_names_through_runc(machine, spec_dir, tmp_path):
+    cdi_dir = spec_dir
     shim = Shim(tmp_path / "shim", machine, spec_dirs=[cdi_dir])
     bundle = bundle_without_hooks(tmp_path, machine, ["NVIDIA_VISIBLE_DEVICES=nvidia.com/gpu=1"])
     bundle_spec = json.loads((bundle / "config.json").read_text())
@@ -282,7 +274,8 @@ def test_cdi_names_through_runc(machine, cdi_dir, tmp_path):
     assert {h["args"][1] for h in spec["hooks"]["createRuntime"]} >= {"create-symlinks", "update-ldcache"}
 
 
-def test_cdi_a_stale_spec_stops_the_create(machine, cdi_dir, tmp_path):
+def test_cdi_a_stale_spec_stops_the_create(machine, spec_dir, tmp_path):
+    cdi_dir = spec_dir
     stale = tmp_path / "cdi"
     stale.mkdir()
     (stale / "nvidia.yaml").write_text((cdi_dir / "nvidia.yaml").read_text().replace("550.54.14", "535.1.1"))

@@ -78,12 +78,16 @@ def capabilities(value: object, key: str) -> tuple[str, ...]:
     return tuple(sorted(set(items)))
 
 
+def _matching(items: list[str], key: str, pattern: re.Pattern, want: str) -> tuple[str, ...]:
+    """``items`` once each, in order, every one matching ``pattern``."""
+    for item in items:
+        if not pattern.fullmatch(item):
+            raise bad(key, item, want)
+    return tuple(dict.fromkeys(items))
+
+
 def env_names(value: object, key: str) -> tuple[str, ...]:
-    names = str_list(value, key)
-    for name in names:
-        if not _ENV_NAME.fullmatch(name):
-            raise bad(key, name, "environment variable names")
-    return tuple(dict.fromkeys(names))
+    return _matching(str_list(value, key), key, _ENV_NAME, "environment variable names")
 
 
 def ldconfig(value: object, key: str) -> str:
@@ -170,8 +174,4 @@ def cdi_kind(value: object, key: str) -> str:
 
 
 def annotation_prefixes(value: object, key: str) -> tuple[str, ...]:
-    items = _short_list(value, key)
-    for item in items:
-        if not _ANNOTATION_PREFIX.fullmatch(item):
-            raise bad(key, item, "annotation key prefixes (cdi.k8s.io/)")
-    return tuple(dict.fromkeys(items))
+    return _matching(_short_list(value, key), key, _ANNOTATION_PREFIX, "annotation key prefixes (cdi.k8s.io/)")
