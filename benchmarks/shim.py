@@ -139,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         subprocess.run(["sh", "-c", f"for c in $(runc --root {base}/state list -q 2>/dev/null); do "
                                     f"runc --root {base}/state delete -f $c; done"], capture_output=True)
+        for parent in Path("/sys/fs/cgroup").glob("*/nvc-bench"):   # runc leaves the parent behind
+            try:
+                parent.rmdir()
+            except OSError:
+                pass
         shutil.rmtree(base, ignore_errors=True)
 
 
