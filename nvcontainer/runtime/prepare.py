@@ -41,6 +41,8 @@ def _own_options(argv: list[str]) -> tuple[dict, list[str]]:
             return opts, args
         if arg in ("--prog", "--config", "--cwd", "--reply-fd") and args:
             opts[arg[2:]] = args.pop(0)
+            if arg == "--reply-fd" and not opts["reply-fd"].isdigit():
+                raise NvcError("input", f"--reply-fd: expected a file descriptor number, got {escape(opts['reply-fd'])}")
         else:
             raise NvcError("input", f"{USAGE} (got {escape(arg)})")
     raise NvcError("input", USAGE)
@@ -151,8 +153,8 @@ def run(argv: list[str]) -> tuple[int, str | None]:
             edit_bundle(invocation, config, opts.get("config"))
         log.info(f"running {runtime}")
         return 0, runtime
-    except NvcError as exc:
-        line = f"{prog}: {exc}"
+    except (NvcError, OSError) as exc:   # an OSError here is a bug's: still one line, never a traceback
+        line = f"{prog}: {exc}" if isinstance(exc, NvcError) else f"{prog}: runtime error: {escape(exc)}"
         log.info(line)
         sys.stderr.write(line + "\n")
         _runtime_log(options, line)
