@@ -45,4 +45,6 @@ Timings are never pass/fail tests: the table says whether issue #6's targets wer
 ``--compare LABEL=DIR|git:REV`` times another tree's hook beside this one (what a change bought);
 ``--only PART`` runs a part (v1, concurrent, probes, commands, v2, slow).
 ``python -m benchmarks.mountplace [RUNS]`` times the mount worker's body alone (``place``).
+``python -m benchmarks.shim [--runs N]`` times a non-GPU container's lifecycle through the runtime
+shim (``nvidia-container-runtime``) against runc alone, and the shim's native front per call.
 """

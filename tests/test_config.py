@@ -65,7 +65,23 @@ def test_swarm_resource_array():
 
 @pytest.mark.parametrize("text, message", [
     ("colour = 1", "config error: config: unknown key 'colour'"),
-    ("[nvidia-container-cli]\nroot = '/'", "config error: config: unknown key 'nvidia-container-cli'"),
+    ("[nvidia-container-cli]\nrot = '/'", "config error: config: unknown key 'nvidia-container-cli.rot'"),
+    ("[nvidia-container-cli]\nroot = 'rel'", "config error: nvidia-container-cli.root: expected an absolute path"),
+    ("[device-plugins]\nx = 1", "config error: config: unknown key 'device-plugins'"),
+    ("[nvidia-container-runtime.modes.bogus]\nx = 1", "unknown key 'nvidia-container-runtime.modes.bogus'"),
+    ("nvidia-container-runtime = 1", "unknown key 'nvidia-container-runtime'"),
+    ("[features]\nignore-imex-channel-requests = 'yes'", "features.ignore-imex-channel-requests: expected true or false"),
+    ('root = "/a"\n[nvidia-container-cli]\nroot = "/b"', "nvidia-container-cli.root and root set the same setting"),
+    ('deadline = 3\n[nvcontainer]\ndeadline = 4', "nvcontainer.deadline and deadline set the same setting"),
+    ('[nvidia-container-runtime]\nmode = "csv"', "nvidia-container-runtime.mode: 'csv' (Tegra CSV files) is not supported"),
+    ('[nvidia-container-runtime]\nmode = "fast"', "nvidia-container-runtime.mode: expected 'auto', 'legacy', 'cdi' or 'jit-cdi'"),
+    ('[nvidia-container-runtime]\nruntimes = []', "nvidia-container-runtime.runtimes: expected 1 to 64 entries"),
+    ('[nvidia-container-runtime]\nruntimes = ["run c"]', "runtimes: expected a program name or an absolute path, got 'run c'"),
+    ('[nvidia-container-runtime]\nruntimes = ["../runc"]', "runtimes: expected a program name or an absolute path"),
+    ('[nvidia-container-runtime.modes.cdi]\nspec-dirs = ["cdi"]', "spec-dirs: expected an absolute path, got 'cdi'"),
+    ('[nvidia-container-runtime.modes.cdi]\ndefault-kind = "gpu"', "default-kind: expected a CDI kind"),
+    ('[nvidia-container-runtime.modes.cdi]\nannotation-prefixes = ["a b/"]', "annotation-prefixes: expected annotation key prefixes"),
+    ('[nvidia-container-runtime-hook]\npath = "bin/hook"', "nvidia-container-runtime-hook.path: expected a program name or an absolute path"),
     ("accept-nvidia-visible-devices-envvar-when-unpriviledged = false", "unknown key 'accept-nvidia-visible-devices-envvar-when-unpriviledged'"),
     ('no-cgroups = "false"', "config error: no-cgroups: expected true or false, got 'false'"),
     ("disable-require = 1", "config error: disable-require: expected true or false, got 1"),
@@ -82,7 +98,7 @@ def test_swarm_resource_array():
     ("supported-driver-capabilities = [1]", "expected a comma-separated string or an array of strings"),
     ('swarm-resource = "A;rm -rf"', "swarm-resource: expected environment variable names, got 'A;rm -rf'"),
     ('cuda-compat-mode = "mount"', "'mount' is not supported: nvcontainer never bind-mounts files from an image"),
-    ('cuda-compat-mode = "hook"', "cuda-compat-mode: expected 'ldconfig' or 'disabled', got 'hook'"),
+    ('cuda-compat-mode = "fast"', "cuda-compat-mode: expected 'ldconfig' or 'disabled', got 'fast'"),
     ("deadline = 0", "deadline: expected a number of seconds, more than 0 and at most 3600, got 0"),
     ("deadline = -1", "deadline: expected a number of seconds"),
     ("deadline = 1e9", "deadline: expected a number of seconds"),
@@ -177,3 +193,169 @@ def test_host_ldconfig_reads_sbin_ldconfig_as_the_binary_beside_it(value, presen
 
     assert cfg.host_ldconfig(value, exists) == expected
     assert asked in ([], ["/sbin/ldconfig.real"])
+
+
+# nvidia-container-toolkit's config.toml as an operator has it (every key of REFERENCE §6.6 set)
+TOOLKIT_FILE = '''
+accept-nvidia-visible-devices-as-volume-mounts = true
+accept-nvidia-visible-devices-envvar-when-unprivileged = false
+disable-require = false
+supported-driver-capabilities = "compat32,compute,display,graphics,ngx,utility,video"
+swarm-resource = "DOCKER_RESOURCE_GPU"
+
+[nvidia-container-cli]
+debug = "/var/log/nvidia-container-toolkit.log"
+environment = []
+ldcache = "/etc/ld.so.cache"
+ldconfig = "@/sbin/ldconfig"
+load-kmods = true
+no-cgroups = false
+path = "/usr/bin/nvidia-container-cli"
+root = "/run/nvidia/driver"
+user = "root:video"
+no-pivot = false
+
+[nvidia-container-runtime]
+debug = "/var/log/nvidia-container-runtime.log"
+log-level = "info"
+mode = "auto"
+runtimes = ["docker-runc", "runc", "crun"]
+
+[nvidia-container-runtime.modes.cdi]
+annotation-prefixes = ["cdi.k8s.io/", "example.com/cdi/"]
+default-kind = "nvidia.com/gpu"
+spec-dirs = ["/etc/cdi", "/var/run/cdi"]
+
+[nvidia-container-runtime.modes.csv]
+mount-spec-path = "/etc/nvidia-container-runtime/host-files-for-container.d"
+
+[nvidia-container-runtime.modes.legacy]
+cuda-compat-mode = "ldconfig"
+
+[nvidia-container-runtime-hook]
+path = "nvidia-container-runtime-hook"
+skip-mode-detection = false
+
+[nvidia-ctk]
+path = "nvidia-ctk"
+
+[features]
+allow-ldconfig-from-container = false
+ignore-imex-channel-requests = true
+
+[nvcontainer]
+deadline = 20
+allowed-devices = ["0"]
+'''
+
+
+def test_the_toolkit_file_as_is():
+    c = parse(TOOLKIT_FILE, "/etc/nvidia-container-runtime/config.toml")
+    assert (c.root, c.debug, c.user, c.runtime_debug) == (
+        "/run/nvidia/driver", "/var/log/nvidia-container-toolkit.log", "root:video",
+        "/var/log/nvidia-container-runtime.log")
+    assert c.accept_volume_mounts and not c.accept_envvar_unprivileged
+    assert c.swarm_resource == ("DOCKER_RESOURCE_GPU",)
+    assert c.runtimes == ("docker-runc", "runc", "crun") and c.mode == "auto"
+    assert c.cdi_annotation_prefixes == ("cdi.k8s.io/", "example.com/cdi/")
+    assert c.cdi_spec_dirs == ("/etc/cdi", "/var/run/cdi") and c.cdi_default_kind == "nvidia.com/gpu"
+    assert c.hook_path == "nvidia-container-runtime-hook"
+    assert c.ignore_imex_channel_requests
+    assert (c.deadline, c.allowed_devices) == (20, ("0",))
+    # every upstream key without an effect here is reported, with its value and why
+    inert = "\n".join(c.inert)
+    for key in ("nvidia-container-cli.environment", "nvidia-container-cli.load-kmods = true",
+                "nvidia-container-cli.path", "nvidia-container-cli.no-pivot", "nvidia-container-runtime.log-level",
+                "nvidia-container-runtime.modes.csv.mount-spec-path", "nvidia-container-runtime-hook.skip-mode-detection",
+                "nvidia-ctk.path", "features.allow-ldconfig-from-container = false"):
+        assert key in inert, key
+    assert len(c.inert) == 9
+    assert "features.ignore-imex-channel-requests" not in inert
+    report = c.report()
+    assert report[0] == "configuration: /etc/nvidia-container-runtime/config.toml"
+    assert "/etc/nvidia-container-runtime/config.toml: nvidia-container-cli.load-kmods = true: no effect here " \
+           "(nvcontainer never loads kernel modules)" in report
+    assert c.origin("root") == "/etc/nvidia-container-runtime/config.toml" and c.origin("cache_dir") == "default"
+
+
+@pytest.mark.parametrize("value, mode", [('"auto"', "auto"), ('"legacy"', "legacy"), ('"cdi"', "cdi"),
+                                         ('"jit-cdi"', "auto")])
+def test_modes(value, mode):
+    assert parse(f"[nvidia-container-runtime]\nmode = {value}").mode == mode
+
+
+def test_upstream_compat_mode_hook_is_ldconfig():
+    assert parse('[nvidia-container-runtime.modes.legacy]\ncuda-compat-mode = "hook"').cuda_compat_mode == "ldconfig"
+
+
+def test_origins_follow_overrides():
+    c = parse('root = "/drv"', "/f.toml").with_overrides(debug="/log")
+    assert (c.origin("root"), c.origin("debug"), c.origin("user")) == ("/f.toml", "--debug", "default")
+
+
+@pytest.fixture
+def default_files(tmp_path, monkeypatch):
+    ours, theirs = tmp_path / "nvcontainer.toml", tmp_path / "toolkit.toml"
+    monkeypatch.setattr(loading, "DEFAULT_PATH", str(ours))
+    monkeypatch.setattr(loading, "TOOLKIT_PATH", str(theirs))
+    return ours, theirs
+
+
+def test_the_toolkit_file_is_read_when_ours_is_absent(default_files):
+    ours, theirs = default_files
+    theirs.write_text('[nvidia-container-cli]\nroot = "/run/nvidia/driver"\n')
+    c = load()
+    assert c.root == "/run/nvidia/driver" and c.source == str(theirs) and c.note is None
+
+
+def test_our_file_wins_and_says_so(default_files):
+    ours, theirs = default_files
+    ours.write_text('root = "/ours"\n')
+    theirs.write_text('[nvidia-container-cli]\nroot = "/theirs"\n')
+    c = load()
+    assert c.root == "/ours" and c.source == str(ours)
+    assert c.note == f"both {ours} and {theirs} exist: {ours} is read, {theirs} is not (nvcontainer's own file wins)"
+    assert c.note in c.report()
+    theirs.unlink()
+    assert load().note is None
+
+
+def test_a_broken_losing_file_is_not_read(default_files):
+    ours, theirs = default_files
+    ours.write_text("deadline = 5\n")
+    theirs.write_text("this is not toml")
+    assert load().deadline == 5
+
+
+def test_neither_file_is_the_defaults(default_files):
+    c = load()
+    assert c == Config() and c.source is None and c.report() == ["configuration: none found, defaults"]
+
+
+@pytest.mark.parametrize("text", ["", TOOLKIT_FILE, 'root = "/drv"\nno-cgroups = true\ndeadline = 2.5\n'])
+def test_render_reads_back_as_the_same_settings(text):
+    from nvcontainer.config import toolkit
+
+    c = parse(text, "/f.toml")
+    shown = toolkit.render(c)
+    assert parse(shown) == c
+    for line in shown.splitlines():
+        assert line.startswith("#") or line.startswith("[") or not line or "  # from: " in line
+    if c.root != "/":
+        assert 'root = "/drv"  # from: /f.toml' in shown or 'root = "/run/nvidia/driver"  # from: /f.toml' in shown
+    assert "# allowed-devices is unset (every device)  # from: default" in shown or c.allowed_devices
+
+
+def test_nvcontainer_config_command(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.toml"
+    path.write_text('[nvidia-container-cli]\nroot = "/drv"\nload-kmods = true\n')
+    res = subprocess.run([sys.executable, "-m", "nvcontainer", "--config", str(path), "--ldcache", "/c", "config"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"# configuration: {path}\n# {path}: nvidia-container-cli.load-kmods = true: no effect")
+    assert f'root = "/drv"  # from: {path}' in res.stdout
+    assert 'ldcache = "/c"  # from: --ldcache' in res.stdout
+    assert 'mode = "auto"  # from: default' in res.stdout

@@ -99,3 +99,13 @@ def test_lint_imports_fails_on_an_upward_import(tmp_path):
     clean = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
                            capture_output=True, text=True, timeout=120)
     assert clean.returncode == 0, clean.stdout
+
+
+def test_every_native_program_has_a_build_target():
+    """Each C source under native/ is compiled by build.py for an installation; none is left to
+    be built some other way (or not at all)."""
+    from nvcontainer.native import build
+
+    sources = sorted(p.name for p in (PACKAGE / "native").glob("*.c"))
+    targets = sorted(Path(s).name for s in (build.SOURCE, build.RUNTIME_SOURCE))
+    assert sources == targets

@@ -425,3 +425,12 @@ def test_env_parser_raises_only_nvc_error(env, config, privileged, mounts):
     if r.gpu and r.devices != "all":
         assert all(device_kind(t) for t in r.devices)
     assert set(r.capabilities) <= set(config.supported_driver_capabilities)
+
+
+def test_ignore_imex_channel_requests_feature():
+    """[features] ignore-imex-channel-requests: neither the variable nor a volume mount asks for
+    a channel, and an invalid value is not even read."""
+    cfg = Config(ignore_imex_channel_requests=True, accept_volume_mounts=True)
+    r = env_request({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_IMEX_CHANNELS": "1,x"}, cfg, privileged=True)
+    assert r.gpu and r.imex_channels == ()
+    assert env_request({}, cfg, mounts=[dev_mount("0"), dev_mount("imex/3")]).imex_channels == ()

@@ -15,7 +15,7 @@ import click
 
 from .. import __version__, log
 from ..errors import NvcError, escape
-from . import cdi, configure, doctor, info, serve, setup, volume
+from . import cdi, config, configure, doctor, info, serve, setup, volume
 from .context import PROG, Context
 from .list import list_
 
@@ -39,13 +39,15 @@ def cli(ctx: click.Context, root, ldcache, debug, user, config_path, load_kmods,
     if cfg.debug:
         log.open_debug(cfg.debug)
         log.info(f"running {PROG} {__version__}: {' '.join(sys.argv[1:])}")
+        for line in cfg.report():
+            log.info(line)
     if load_kmods:
         log.warning("--load-kmods ignored: nvcontainer does not load kernel modules")
     ctx.obj = Context(cfg)
 
 
 for command in (info.info, list_, configure.configure, cdi.cdi, doctor.doctor, serve.serve, volume.volume,
-                setup.setup):
+                setup.setup, config.config):
     cli.add_command(command)
 
 

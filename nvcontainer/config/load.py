@@ -1,41 +1,20 @@
-"""The operator's settings, from ``/etc/nvcontainer/config.toml``.
+"""Which configuration file is read, and its keys into one :class:`~.model.Config`.
 
-The hook reads this file on every container start, as root, so it is strict: an unknown key or a
-value of the wrong type is an error naming the key, never silently ignored (a misspelt
-``accept-nvidia-visible-devices-envvar-when-unprivileged`` would otherwise quietly reopen the hole
-it was meant to close). A missing default file means the defaults; a file named with ``--config``
-must exist. All keys are top level; names follow nvidia-container-toolkit's config.toml, where
-they live under ``[nvidia-container-cli]`` or at top level:
+The hook and the runtime shim read the file on every container start, as root, so it is strict:
+an unknown key or a value of the wrong type is an error naming the key, never silently ignored
+(a misspelt ``accept-nvidia-visible-devices-envvar-when-unprivileged`` would otherwise quietly
+reopen the hole it was meant to close). The layout is nvidia-container-toolkit's
+(:mod:`.toolkit`: its tables, its keys, upstream keys without an effect here accepted and
+reported), plus nvcontainer's earlier flat layout, so both an operator's
+``/etc/nvidia-container-runtime/config.toml`` and an existing ``/etc/nvcontainer/config.toml``
+are read as they are.
 
-Key (TOML)                                                 Default               Meaning
-root                                                       "/"                   driver root (absolute)
-ldcache                                                    "/etc/ld.so.cache"    DSO cache inside root
-debug                                                      unset                 debug log file (absolute)
-user                                                       unset: overflow ids   UID[:GID] of the NVML helper
-ldconfig                                                   "@/sbin/ldconfig"     "@" + absolute host path; an
-                                                                                 image's ldconfig is never run;
-                                                                                 /sbin/ldconfig means
-                                                                                 /sbin/ldconfig.real where the
-                                                                                 host has that (Ubuntu)
-no-cgroups                                                 false                 leave the device cgroup alone
-supported-driver-capabilities                              all seven             "all", comma list or array
-disable-require                                            false                 ignore every requirement
-swarm-resource                                             ""                    env names (comma list or array)
-                                                                                 that replace NVIDIA_VISIBLE_DEVICES
-accept-nvidia-visible-devices-envvar-when-unprivileged     true                  false: unprivileged containers get
-                                                                                 GPUs only through volume mounts
-accept-nvidia-visible-devices-as-volume-mounts             false                 honour /dev/null device mounts
-cuda-compat-mode                                           "ldconfig"            or "disabled"
-deadline                                                   20                    seconds for a whole hook run
-cache-dir                                                  "/run/nvcontainer"    root-only directory of the per-boot
-                                                                                 driver inventory cache (absolute)
-driver-volume-dir                                          "/var/lib/nvcontainer/volumes"
-                                                                                 where `nvcontainer volume create`
-                                                                                 builds nvidia_<version>/ volumes for
-                                                                                 com.nvidia.volumes.needed images
-allowed-devices                                            unset: every device   the GPUs and MIG devices this node
-                                                                                 may hand out (device tokens, comma
-                                                                                 list or array); "all": every device
+Which file: ``--config FILE`` (which must exist), else ``/etc/nvcontainer/config.toml``, else
+``/etc/nvidia-container-runtime/config.toml``, else the defaults. nvcontainer's own file wins
+because it was written for nvcontainer, where the toolkit's may be left over from the stack being
+replaced; when both exist, one line says which was read (:attr:`Config.note`). Never from the
+environment: upstream's ``NVIDIA_CTK_CONFIG_FILE_PATH`` and ``XDG_CONFIG_HOME`` would let whoever
+starts a runtime choose the settings of a root program.
 
 ``cuda-compat-mode = "ldconfig"`` makes the image's ``/usr/local/cuda/compat`` libraries visible
 with an ``/etc/ld.so.conf.d`` drop-in inside the container, when they are newer than the host
@@ -46,37 +25,57 @@ anything taken from an image, so ``mount`` is refused with an explanation rather
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
+from dataclasses import replace
 
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
-from . import values
+from . import toolkit
 from .model import Config
 
 DEFAULT_PATH = "/etc/nvcontainer/config.toml"
+TOOLKIT_PATH = "/etc/nvidia-container-runtime/config.toml"
 CONFIG_CAP = 1 << 20
 
 
-# TOML key -> (Config field, validator)
-_KEYS = {
-    "root": ("root", values.absolute),
-    "ldcache": ("ldcache", values.absolute),
-    "debug": ("debug", values.absolute),
-    "user": ("user", values.user),
-    "ldconfig": ("ldconfig", values.ldconfig),
-    "no-cgroups": ("no_cgroups", values.boolean),
-    "supported-driver-capabilities": ("supported_driver_capabilities", values.capabilities),
-    "disable-require": ("disable_require", values.boolean),
-    "swarm-resource": ("swarm_resource", values.env_names),
-    "accept-nvidia-visible-devices-envvar-when-unprivileged": ("accept_envvar_unprivileged", values.boolean),
-    "accept-nvidia-visible-devices-as-volume-mounts": ("accept_volume_mounts", values.boolean),
-    "cuda-compat-mode": ("cuda_compat_mode", values.compat_mode),
-    "deadline": ("deadline", values.deadline),
-    "cache-dir": ("cache_dir", values.absolute),
-    "driver-volume-dir": ("driver_volume_dir", values.absolute),
-    "allowed-devices": ("allowed_devices", values.device_tokens),
-}
+def _shown(value: object) -> str:
+    return escape(json.dumps(value, default=str), 80)
+
+
+class _Reader:
+    """One file's keys into Config fields, each field set at most once."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.values: dict[str, object] = {}
+        self.named: dict[str, str] = {}
+        self.inert: list[str] = []
+
+    def take(self, table: str, key: str, value: object, where: str | None = None) -> None:
+        name, check = toolkit.TABLES[table][key]
+        where = where or toolkit.where(table, key)
+        if name in self.named:
+            raise NvcError("config", f"{escape(self.source)}: {escape(where)} and {escape(self.named[name])} set "
+                                     "the same setting: keep one")
+        self.values[name] = check(value, where)
+        self.named[name] = where
+
+    def table(self, table: str, data: dict) -> None:
+        for key, value in data.items():
+            path = f"{table}.{key}" if table else key
+            if key in toolkit.TABLES.get(table, {}):
+                self.take(table, key, value)
+            elif key in toolkit.INERT.get(table, {}):
+                self.inert.append(f"{toolkit.where(table, key)} = {_shown(value)}: no effect here "
+                                  f"({toolkit.INERT[table][key]})")
+            elif isinstance(value, dict) and toolkit.is_table(path):
+                self.table(path, value)
+            elif not table and key in toolkit.FLAT:
+                self.take(*toolkit.FLAT[key], value, where=key)
+            else:
+                raise NvcError("config", f"{escape(self.source)}: unknown key '{escape(path, 80)}'")
 
 
 def parse(text: str, source: str = "config") -> Config:
@@ -86,13 +85,10 @@ def parse(text: str, source: str = "config") -> Config:
         data = tomllib.loads(text)
     except (tomllib.TOMLDecodeError, RecursionError) as exc:
         raise NvcError("config", f"{escape(source)}: {escape(exc)}") from None
-    values = {}
-    for key, value in data.items():
-        if key not in _KEYS:
-            raise NvcError("config", f"{escape(source)}: unknown key '{escape(key, 80)}'")
-        name, check = _KEYS[key]
-        values[name] = check(value, key)
-    return Config(**values)
+    reader = _Reader(source)
+    reader.table("", data)
+    return Config(**reader.values, source=source, origins=tuple((name, source) for name in reader.values),
+                  inert=tuple(reader.inert))
 
 
 def _read(path: str) -> bytes | None:
@@ -117,14 +113,27 @@ def _read(path: str) -> bytes | None:
 
 
 def load(path: str | None = None) -> Config:
-    """The configuration from ``path`` (which must exist) or from the default file if present."""
-    data = _read(path if path is not None else DEFAULT_PATH)
-    if data is None:
-        if path is not None:
+    """The configuration from ``path`` (which must exist), else from the first default file
+    present (:data:`DEFAULT_PATH`, then :data:`TOOLKIT_PATH`), else the defaults."""
+    if path is not None:
+        data = _read(path)
+        if data is None:
             raise NvcError("config", f"cannot open {escape(path)}: {os.strerror(errno.ENOENT)}")
-        return Config()
+        return _parse_bytes(data, path)
+    ours = _read(DEFAULT_PATH)
+    if ours is not None:
+        config = _parse_bytes(ours, DEFAULT_PATH)
+        if os.path.lexists(TOOLKIT_PATH):
+            return replace(config, note=f"both {DEFAULT_PATH} and {TOOLKIT_PATH} exist: {DEFAULT_PATH} is read, "
+                                        f"{TOOLKIT_PATH} is not (nvcontainer's own file wins)")
+        return config
+    theirs = _read(TOOLKIT_PATH)
+    return Config() if theirs is None else _parse_bytes(theirs, TOOLKIT_PATH)
+
+
+def _parse_bytes(data: bytes, path: str) -> Config:
     try:
         text = data.decode("utf-8")
     except UnicodeError:
-        raise NvcError("config", f"{escape(path or DEFAULT_PATH)}: not UTF-8 text") from None
-    return parse(text, path or DEFAULT_PATH)
+        raise NvcError("config", f"{escape(path)}: not UTF-8 text") from None
+    return parse(text, path)

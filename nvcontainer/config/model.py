@@ -8,7 +8,7 @@ reads a :class:`Config`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .values import CAPABILITIES, absolute, path, user as user_value
 
@@ -31,6 +31,33 @@ class Config:
     cache_dir: str = "/run/nvcontainer"
     driver_volume_dir: str = "/var/lib/nvcontainer/volumes"
     allowed_devices: tuple[str, ...] | None = None
+    # the runtime shim (nvidia-container-runtime)
+    runtime_debug: str | None = None
+    runtimes: tuple[str, ...] = ("runc", "crun")
+    mode: str = "auto"
+    cdi_spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
+    cdi_default_kind: str = "nvidia.com/gpu"
+    cdi_annotation_prefixes: tuple[str, ...] = ("cdi.k8s.io/",)
+    hook_path: str | None = None          # unset: the served client where setup installed it, else the hook
+    ignore_imex_channel_requests: bool = False
+    # where the values came from (not part of the settings: equal configs compare equal)
+    source: str | None = field(default=None, compare=False)       # the file read, if any
+    origins: tuple[tuple[str, str], ...] = field(default=(), compare=False)   # field -> file or option
+    inert: tuple[str, ...] = field(default=(), compare=False)     # upstream keys set here to no effect
+    note: str | None = field(default=None, compare=False)         # which file won, when both exist
+
+    def origin(self, name: str) -> str:
+        """Where field ``name``'s value came from: a file, a command-line option, or "default"."""
+        return dict(self.origins).get(name, "default")
+
+    def report(self) -> list[str]:
+        """Lines for the --debug trace and doctor: the file read, which one won, and every
+        upstream key that is accepted here but changes nothing."""
+        lines = [f"configuration: {self.source or 'none found, defaults'}"]
+        if self.note:
+            lines.append(self.note)
+        lines += [f"{self.source}: {what}" for what in self.inert]
+        return lines
 
     def with_overrides(self, *, root: str | None = None, ldcache: str | None = None,
                        debug: str | None = None, user: str | None = None) -> "Config":
@@ -44,7 +71,10 @@ class Config:
             changes["debug"] = path(debug, "--debug")
         if user is not None:
             changes["user"] = user_value(user, "--user")
-        return replace(self, **changes)
+        if not changes:
+            return self
+        origins = dict(self.origins) | {name: f"--{name}" for name in changes}
+        return replace(self, **changes, origins=tuple(origins.items()))
 
     def ldconfig_program(self) -> str:
         """The host path of the ldconfig a run executes: :func:`host_ldconfig` of ``ldconfig``."""

@@ -20,6 +20,11 @@ MAX_ALLOWED = 1024
 _USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(?::[A-Za-z0-9_][A-Za-z0-9_.-]*)?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _COMPAT_MODES = ("ldconfig", "disabled")
+MODES = ("auto", "legacy", "cdi")
+_PROGRAM = re.compile(r"[A-Za-z0-9_.+-]{1,255}")
+_CDI_KIND = re.compile(r"[A-Za-z](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?/[A-Za-z](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
+_ANNOTATION_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9_./-]{0,252}")
+MAX_LIST = 64
 _DEVICE_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9:./-]{0,127}")
 
 
@@ -73,12 +78,16 @@ def capabilities(value: object, key: str) -> tuple[str, ...]:
     return tuple(sorted(set(items)))
 
 
+def _matching(items: list[str], key: str, pattern: re.Pattern, want: str) -> tuple[str, ...]:
+    """``items`` once each, in order, every one matching ``pattern``."""
+    for item in items:
+        if not pattern.fullmatch(item):
+            raise bad(key, item, want)
+    return tuple(dict.fromkeys(items))
+
+
 def env_names(value: object, key: str) -> tuple[str, ...]:
-    names = str_list(value, key)
-    for name in names:
-        if not _ENV_NAME.fullmatch(name):
-            raise bad(key, name, "environment variable names")
-    return tuple(dict.fromkeys(names))
+    return _matching(str_list(value, key), key, _ENV_NAME, "environment variable names")
 
 
 def ldconfig(value: object, key: str) -> str:
@@ -88,6 +97,10 @@ def ldconfig(value: object, key: str) -> str:
 
 
 def compat_mode(value: object, key: str) -> str:
+    if value == "hook":
+        # upstream: the CLI does nothing and a createContainer hook points the loader at the
+        # image's compat directory; that is what "ldconfig" does here, from the hook itself
+        return "ldconfig"
     if value == "mount":
         raise NvcError("config", f"{key}: 'mount' is not supported: nvcontainer never bind-mounts files "
                                  "from an image; 'ldconfig' uses the image's compat libraries in place")
@@ -114,3 +127,51 @@ def device_tokens(value: object, key: str) -> tuple[str, ...] | None:
     if "all" in tokens:
         return None
     return tuple(dict.fromkeys(tokens))
+
+
+def _short_list(value: object, key: str) -> list[str]:
+    items = str_list(value, key)
+    if not items or len(items) > MAX_LIST:
+        raise bad(key, value, f"1 to {MAX_LIST} entries")
+    return items
+
+
+def program(value: object, key: str) -> str:
+    """A program: a bare name (looked up on a fixed PATH, never the caller's) or an absolute path."""
+    if not isinstance(value, str) or not (_PROGRAM.fullmatch(value) or (value.startswith("/") and "\0" not in value)):
+        raise bad(key, value, "a program name or an absolute path")
+    return value
+
+
+def programs(value: object, key: str) -> tuple[str, ...]:
+    """Low-level runtimes, in the order they are looked for."""
+    return tuple(dict.fromkeys(program(item, key) for item in _short_list(value, key)))
+
+
+def mode(value: object, key: str) -> str:
+    if value == "jit-cdi":
+        # upstream's in-memory CDI spec from NVIDIA_VISIBLE_DEVICES: its point, devices in the
+        # OCI spec, is what legacy mode does here; CDI names still resolve from spec-dirs
+        return "auto"
+    if value == "csv":
+        raise NvcError("config", f"{key}: 'csv' (Tegra CSV files) is not supported by nvcontainer")
+    if value not in MODES:
+        raise bad(key, value, ", ".join(repr(m) for m in MODES) + " or 'jit-cdi'")
+    return value
+
+
+def absolute_list(value: object, key: str) -> tuple[str, ...]:
+    items = _short_list(value, key)
+    for item in items:
+        absolute(item, key)
+    return tuple(dict.fromkeys(items))
+
+
+def cdi_kind(value: object, key: str) -> str:
+    if not isinstance(value, str) or not _CDI_KIND.fullmatch(value):
+        raise bad(key, value, "a CDI kind, vendor/class (nvidia.com/gpu)")
+    return value
+
+
+def annotation_prefixes(value: object, key: str) -> tuple[str, ...]:
+    return _matching(_short_list(value, key), key, _ANNOTATION_PREFIX, "annotation key prefixes (cdi.k8s.io/)")

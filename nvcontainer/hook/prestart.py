@@ -73,6 +73,8 @@ def prestart(opts: dict, dry_run: bool) -> int:
         root=opts.get("root"), ldcache=opts.get("ldcache"), debug=opts.get("debug"), user=opts.get("user"))
     if cfg.debug:
         log.open_debug(cfg.debug)
+        for line in cfg.report():
+            log.info(line)
     state = oci.read_state_from_stdin()
     spec = oci.read_spec(state.bundle)
     served = f" (served by nvcontainer serve, pid {SERVED_BY})" if SERVED_BY else ""

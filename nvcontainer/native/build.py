@@ -24,6 +24,9 @@ from ..errors import NvcError, escape
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hookclient.c")
 NAME = "nvcontainer-hook-client"
+# The runtime shim's front (runtime.c), installed as both names.
+RUNTIME_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime.c")
+RUNTIME_NAMES = ("nvidia-container-runtime", "nvcontainer-runtime")
 CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-D_FORTIFY_SOURCE=2", "-fstack-protector-strong")
 COMPILE_TIMEOUT = 60.0
 
@@ -51,7 +54,26 @@ def config_header(python: str) -> str:
     return f"#define NVC_PYTHON {c_string(python)}\n#define NVC_VALUED {valued}\n"
 
 
-def build(dest: str, python: str, cc: str | None = None) -> str:
+def runtime_header(python: str, config: str | None = None) -> str:
+    """``nvc_config.h`` of the runtime front: the install's interpreter and the configuration
+    file to read instead of the default ones (for a test, or an install that keeps it elsewhere)."""
+    return f"#define NVC_PYTHON {c_string(python)}\n#define NVC_CONFIG {c_string(config or '')}\n"
+
+
+def build_runtime(dest: str, python: str, config: str | None = None, cc: str | None = None,
+                  defines: tuple[str, ...] = ()) -> str:
+    """Compile the runtime front (``runtime.c``) to ``dest``, as :func:`build` does the client.
+
+    With musl's ``musl-gcc`` where the node has it (Debian's musl-tools): the front runs once
+    more on every runtime call of every container, and a static musl program starts in about a
+    third of the time of a static glibc one (0.12 against 0.34 ms a call, docs/performance.md)."""
+    musl = shutil.which("musl-gcc", path="/usr/local/bin:/usr/bin:/bin")
+    return build(dest, python, cc or musl, source=RUNTIME_SOURCE, header=runtime_header(python, config),
+                 flags=tuple(f"-D{d}" for d in defines), what="runtime front")
+
+
+def build(dest: str, python: str, cc: str | None = None, *, source: str = SOURCE, header: str | None = None,
+          flags: tuple[str, ...] = (), what: str = "hook client") -> str:
     """Compile the client to ``dest`` (replaced atomically, mode 0755); returns how it was linked.
 
     Static when the C library allows it: a static program needs no dynamic loader, which is
@@ -59,15 +81,15 @@ def build(dest: str, python: str, cc: str | None = None) -> str:
     """
     cc = cc or compiler()
     if cc is None:
-        raise NvcError("setup", "no C compiler (cc) found to build the native hook client")
+        raise NvcError("setup", f"no C compiler (cc) found to build the native {what}")
     os.makedirs(os.path.dirname(dest) or ".", mode=0o755, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="nvc-client-") as tmp:
         with open(os.path.join(tmp, "nvc_config.h"), "w") as f:
-            f.write(config_header(python))
+            f.write(header if header is not None else config_header(python))
         out = os.path.join(tmp, NAME)
         errors: list[str] = []
         for linking in (("-static",), ()):
-            argv = [cc, *CFLAGS, *linking, "-I", tmp, "-o", out, SOURCE]
+            argv = [cc, *CFLAGS, *flags, *linking, "-I", tmp, "-o", out, source]
             try:
                 res = subprocess.run(argv, capture_output=True, text=True, errors="replace",
                                      timeout=COMPILE_TIMEOUT, env={"PATH": "/usr/local/bin:/usr/bin:/bin"})
@@ -77,7 +99,7 @@ def build(dest: str, python: str, cc: str | None = None) -> str:
                 break
             errors = res.stderr.strip().splitlines()[-1:] or [f"exit status {res.returncode}"]
         else:
-            raise NvcError("setup", f"building the native hook client failed: {escape(errors[0])}")
+            raise NvcError("setup", f"building the native {what} failed: {escape(errors[0])}")
         with open(out, "rb") as f:
             program = f.read()
         staged = f"{dest}.nvcontainer-{os.getpid()}"

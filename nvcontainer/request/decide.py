@@ -299,7 +299,9 @@ def request_from_env(environ: Mapping[str, str], config: "Config", *, privileged
     mig_config = _mig(env.get(MIG_CONFIG), "mig-config")
     mig_monitor = _mig(env.get(MIG_MONITOR), "mig-monitor")
 
-    if mount_imex:
+    if config.ignore_imex_channel_requests:   # [features] ignore-imex-channel-requests
+        imex = ()
+    elif mount_imex:
         imex = _imex_ids(mount_imex, "volume mounts")
     else:
         imex_value = env.get(IMEX_CHANNELS)

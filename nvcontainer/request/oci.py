@@ -350,9 +350,14 @@ def parse_spec(data: bytes, bundle: str) -> Spec:
     )
 
 
-def read_spec(bundle: str, cap: int = SPEC_CAP) -> Spec:
-    """Load ``<bundle>/config.json`` without following a final symlink or blocking on a FIFO."""
-    path = os.path.join(bundle, "config.json")
+def spec_object(data: bytes) -> dict:
+    """The whole of a config.json, as strictly as :func:`parse_spec` reads it (the runtime shim
+    edits it and writes it back)."""
+    return _object(_loads(data, "config.json", SPEC_CAP), "config.json")
+
+
+def read_spec_file(path: str, cap: int = SPEC_CAP) -> tuple[bytes, os.stat_result]:
+    """A config.json's bytes and ``fstat``, without following a final symlink or blocking on a FIFO."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
         fd = os.open(path, flags)
@@ -363,12 +368,18 @@ def read_spec(bundle: str, cap: int = SPEC_CAP) -> Spec:
         if not stat.S_ISREG(st.st_mode):
             raise NvcError("input", f"{escape(path)}: not a regular file")
         if st.st_size > cap:
-            raise NvcError("input", f"config.json: larger than {cap} bytes")
+            raise NvcError("input", f"{escape(path)}: larger than {cap} bytes")
         data, more = read_at_most(fd, cap)
         if more:
-            raise NvcError("input", f"config.json: larger than {cap} bytes")
+            raise NvcError("input", f"{escape(path)}: larger than {cap} bytes")
     except OSError as exc:
         raise NvcError("input", f"cannot read {escape(path)}: {exc.strerror}") from None
     finally:
         os.close(fd)
+    return data, st
+
+
+def read_spec(bundle: str, cap: int = SPEC_CAP) -> Spec:
+    """Load ``<bundle>/config.json`` without following a final symlink or blocking on a FIFO."""
+    data, _ = read_spec_file(os.path.join(bundle, "config.json"), cap)
     return parse_spec(data, bundle)

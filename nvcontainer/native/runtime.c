@@ -1,0 +1,665 @@
+/*
+ * nvidia-container-runtime's front: the OCI runtime an engine runs, without an interpreter
+ * where none is needed.
+ *
+ * Why it exists: the shim sits on every container's path and is run several times per
+ * container (create, start, state, kill, delete). A Python interpreter per call would cost a
+ * node more than the hook ever did. This program executes the low-level runtime (runc, crun)
+ * at once, with the engine's argv and environment unchanged, for every command but create and
+ * run, and for a create whose config.json cannot be a GPU request. Only the rest goes to the
+ * Python shim (nvcontainer/runtime/prepare.py), which makes every actual decision: it runs in a
+ * forked child with `python -I`, a fixed environment, "/" as working directory, /dev/null as
+ * stdin and stdout and no inherited fd but stderr, edits the spec, and hands back the runtime's
+ * path on fd 3; this program then executes that runtime as above.
+ *
+ * "Cannot be a GPU request" is a bounded byte scan, conservative by construction: the spec is
+ * read without following a symlink or blocking (O_NOFOLLOW|O_NONBLOCK, regular file, at most
+ * 16 MiB), its JSON string escapes are decoded, and if none of the names a GPU request needs
+ * (NVIDIA_VISIBLE_DEVICES, CUDA_VERSION, nvidia-container-devices, com.nvidia.volumes.needed,
+ * the configured swarm-resource variables and CDI annotation prefixes) occurs anywhere, no
+ * decision of the Python shim could edit it. Anything odd (a symlink, a FIFO, a huge file, a
+ * config file this scanner does not fully understand) goes to Python, which says what is wrong.
+ *
+ * The configuration is read as prepare.py reads it (same files, same order); only three keys
+ * matter here (runtimes, swarm-resource, annotation-prefixes), and only their plain one-line
+ * forms are understood: any other spelling of them makes the answer "ask Python".
+ *
+ * nvcontainer/native/build.py builds it, writing nvc_config.h: NVC_PYTHON, the interpreter of
+ * the install, and NVC_CONFIG, a configuration file to read instead of the default ones ("").
+ * With NVC_SCAN_TEST defined, main() is a test driver for the scanners (tests/test_runtime_front.py).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "nvc_config.h"
+
+#define SAFE_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#define DEFAULT_CONFIG "/etc/nvcontainer/config.toml"
+#define TOOLKIT_CONFIG "/etc/nvidia-container-runtime/config.toml"
+#define CONFIG_CAP (1 << 20)
+#define SPEC_CAP (16 << 20)
+#define MAX_NAMES 64
+#define REPLY_FD 3
+
+/* The same tables as nvcontainer/runtime/argv.py. */
+static const char *const global_valued[] = {"--log", "--log-format", "--root", "--criu", "--rootless",
+                                            "--log-level", "--cgroup-manager", NULL};
+static const char *const create_valued[] = {"--bundle", "--console-socket", "--pid-file", "--preserve-fds",
+                                            "--config", NULL};
+static const char *const fixed_needles[] = {"NVIDIA_VISIBLE_DEVICES", "CUDA_VERSION", "nvidia-container-devices",
+                                            "com.nvidia.volumes.needed", NULL};
+
+static const char *prog = "nvidia-container-runtime";
+
+struct list {
+    int certain;             /* 0: the file may set it in a way not understood here */
+    int count;
+    char *items[MAX_NAMES];
+};
+
+struct settings {
+    int readable;            /* 0: the file could not be read as prepare.py would */
+    struct list runtimes, swarm, prefixes;
+};
+
+/* ---- reading ------------------------------------------------------------------------------ */
+
+/* The whole file, NUL-terminated, at most cap bytes; NULL with errno set otherwise (EFBIG:
+ * larger than cap, EINVAL: not a regular file). */
+static char *read_bounded(const char *path, size_t cap, int nofollow, size_t *len)
+{
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC | (nofollow ? O_NOFOLLOW : 0));
+    if (fd < 0)
+        return NULL;
+    struct stat st;
+    int bad = fstat(fd, &st) < 0 ? errno : !S_ISREG(st.st_mode) ? EINVAL : (size_t)st.st_size > cap ? EFBIG : 0;
+    if (bad) {
+        close(fd);
+        errno = bad;
+        return NULL;
+    }
+    char *buf = malloc(cap + 2);
+    size_t used = 0;
+    while (buf && used <= cap) {
+        ssize_t got = read(fd, buf + used, cap + 1 - used);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got < 0) {
+            free(buf);
+            buf = NULL;
+            break;
+        }
+        if (got == 0)
+            break;
+        used += (size_t)got;
+    }
+    int e = errno;
+    close(fd);
+    if (buf && used > cap) {
+        free(buf);
+        buf = NULL;
+        e = EFBIG;
+    }
+    if (!buf) {
+        errno = e;
+        return NULL;
+    }
+    buf[used] = '\0';
+    *len = used;
+    return buf;
+}
+
+/* ---- the configuration's three keys ------------------------------------------------------- */
+
+static const char *skip_space(const char *p)
+{
+    while (*p == ' ' || *p == '\t')
+        p++;
+    return p;
+}
+
+/* The rest of a line after a value: spaces, then nothing or a comment. */
+static int line_ends(const char *p, const char *end)
+{
+    p = skip_space(p);
+    return p == end || *p == '#';
+}
+
+/* One TOML basic or literal string without escapes at *pp; its content is copied out. */
+static char *string_at(const char **pp, const char *end)
+{
+    const char *p = *pp;
+    char quote = *p;
+    if (quote != '"' && quote != '\'')
+        return NULL;
+    const char *close = memchr(p + 1, quote, (size_t)(end - p - 1));
+    if (!close || memchr(p + 1, '\\', (size_t)(close - p - 1)))
+        return NULL;
+    *pp = close + 1;
+    return strndup(p + 1, (size_t)(close - p - 1));
+}
+
+static int add_item(struct list *l, const char *s, size_t n)
+{
+    while (n && (*s == ' ' || *s == '\t'))
+        s++, n--;
+    while (n && (s[n - 1] == ' ' || s[n - 1] == '\t'))
+        n--;
+    if (!n)
+        return 0;
+    if (l->count >= MAX_NAMES)
+        return -1;
+    l->items[l->count++] = strndup(s, n);
+    return 0;
+}
+
+/* `= "a,b"` (split on commas when split is set) or `= ["a", 'b']` up to end; -1 if not that. */
+static int parse_value(const char *p, const char *end, struct list *l, int split)
+{
+    p = skip_space(p);
+    if (*p != '=')
+        return -1;
+    p = skip_space(p + 1);
+    if (*p == '[') {
+        p = skip_space(p + 1);
+        while (p < end && *p != ']') {
+            char *s = string_at(&p, end);
+            if (!s || add_item(l, s, strlen(s)) < 0) {
+                free(s);
+                return -1;
+            }
+            free(s);
+            p = skip_space(p);
+            if (*p == ',')
+                p = skip_space(p + 1);
+            else if (*p != ']')
+                return -1;
+        }
+        if (p >= end)
+            return -1;
+        return line_ends(p + 1, end) ? 0 : -1;
+    }
+    char *s = string_at(&p, end);
+    if (!s)
+        return -1;
+    int ok = line_ends(p, end);
+    for (char *item = s, *comma; ok && item; item = comma ? comma + 1 : NULL) {
+        comma = split ? strchr(item, ',') : NULL;
+        if (add_item(l, item, comma ? (size_t)(comma - item) : strlen(item)) < 0)
+            ok = 0;
+    }
+    free(s);
+    return ok ? 0 : -1;
+}
+
+struct key {
+    const char *name, *table;
+    struct list *list;
+    int split;
+};
+
+/* Scan the file's lines for the keys: each must be defined at most once, on one line, in its
+ * table, with a plain value; every other mention must be a comment line. */
+static void scan_config(const char *text, size_t len, struct key *keys, int nkeys)
+{
+    if (memmem(text, len, "\\u", 2) || memmem(text, len, "\\U", 2) || memmem(text, len, "\"\"\"", 3) ||
+        memmem(text, len, "'''", 3))
+        return; /* escapes in key names or multi-line strings: leave every key uncertain */
+    for (int k = 0; k < nkeys; k++)
+        keys[k].list->certain = 1;
+    int defined[8] = {0};
+    char table[256] = "";
+    int table_known = 1;
+    for (const char *line = text; line < text + len;) {
+        const char *end = memchr(line, '\n', (size_t)(text + len - line));
+        if (!end)
+            end = text + len;
+        const char *p = skip_space(line);
+        if (*p == '[') {
+            const char *close = memchr(p, ']', (size_t)(end - p));
+            const char *name = skip_space(p + 1), *name_end = close;
+            while (name_end && name_end > name && (name_end[-1] == ' ' || name_end[-1] == '\t'))
+                name_end--;
+            size_t n = close ? (size_t)(name_end - name) : 0;
+            int bare = n > 0 && n < sizeof table && strspn(name, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                                                "0123456789_.-") >= n;
+            if (p[1] == '[') {
+                table_known = 0; /* an array of tables: none of ours */
+            } else if (bare && line_ends(close + 1, end)) {
+                memcpy(table, name, n);
+                table[n] = '\0';
+                table_known = 1;
+            } else {
+                for (int k = 0; k < nkeys; k++)
+                    keys[k].list->certain = 0; /* a line that may be a header we cannot read */
+            }
+        }
+        for (int k = 0; k < nkeys; k++) {
+            size_t klen = strlen(keys[k].name);
+            const char *at = memmem(line, (size_t)(end - line), keys[k].name, klen);
+            if (!at || *p == '#')
+                continue;
+            int defines = at == p && table_known && strcmp(table, keys[k].table) == 0 && !defined[k] &&
+                          (p[klen] == ' ' || p[klen] == '\t' || p[klen] == '=');
+            if (defines && parse_value(p + klen, end, keys[k].list, keys[k].split) == 0)
+                defined[k] = 1;
+            else
+                keys[k].list->certain = 0;
+        }
+        line = end + 1;
+    }
+}
+
+static void defaults(struct settings *s)
+{
+    memset(s, 0, sizeof *s);
+    s->readable = 1;
+    s->runtimes.certain = s->swarm.certain = s->prefixes.certain = 1;
+}
+
+static void load_settings(struct settings *s)
+{
+    defaults(s);
+    const char *paths[2] = {NVC_CONFIG, NULL};
+    if (!*NVC_CONFIG) {
+        paths[0] = DEFAULT_CONFIG;
+        paths[1] = TOOLKIT_CONFIG;
+    }
+    char *text = NULL;
+    size_t len = 0;
+    for (int i = 0; i < 2 && paths[i] && !text; i++) {
+        text = read_bounded(paths[i], CONFIG_CAP, 0, &len);
+        if (!text && (errno != ENOENT || *NVC_CONFIG)) {
+            s->readable = 0; /* prepare.py will say what is wrong with it */
+            return;
+        }
+    }
+    if (!text)
+        return;
+    struct key keys[] = {
+        {"runtimes", "nvidia-container-runtime", &s->runtimes, 0},
+        {"swarm-resource", "", &s->swarm, 1},
+        {"annotation-prefixes", "nvidia-container-runtime.modes.cdi", &s->prefixes, 0},
+    };
+    s->runtimes.certain = s->swarm.certain = s->prefixes.certain = 0;
+    scan_config(text, len, keys, 3);
+    free(text);
+}
+
+/* ---- argv ----------------------------------------------------------------------------------- */
+
+static int listed(const char *const *table, const char *name, size_t len)
+{
+    for (; *table; table++)
+        if (strlen(*table) == len && memcmp(*table, name, len) == 0)
+            return 1;
+    return 0;
+}
+
+/* Options at argv[i...] as argv.py reads them; the index of the first other word. The values of
+ * --bundle and --config (or -b, -f) are stored when asked for. */
+static int skip_options(int argc, char **argv, int i, const char *const *valued, const char **bundle,
+                        const char **config)
+{
+    for (; i < argc; i++) {
+        const char *arg = argv[i];
+        if (strcmp(arg, "--") == 0)
+            return i + 1;
+        if (arg[0] != '-' || arg[1] == '\0')
+            break;
+        const char *eq = strchr(arg, '=');
+        size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
+        char name[64];
+        if (len + 2 > sizeof name)
+            continue;
+        if (len == 2 && arg[1] == 'b')
+            snprintf(name, sizeof name, "--bundle");
+        else if (len == 2 && arg[1] == 'f')
+            snprintf(name, sizeof name, "--config");
+        else if (arg[1] != '-' && len > 2)
+            snprintf(name, sizeof name, "-%.*s", (int)len, arg);
+        else
+            snprintf(name, sizeof name, "%.*s", (int)len, arg);
+        const char *value = eq ? eq + 1 : "";
+        if (!eq && listed(valued, name, strlen(name))) {
+            value = i + 1 < argc ? argv[i + 1] : "";
+            i++;
+        }
+        if (bundle && strcmp(name, "--bundle") == 0)
+            *bundle = value;
+        if (config && strcmp(name, "--config") == 0)
+            *config = value;
+    }
+    return i;
+}
+
+/* ---- the spec scan -------------------------------------------------------------------------- */
+
+static int hexval(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* The text with JSON's string escapes decoded in place: \uXXXX below 0x80 as that byte, any
+ * other code unit as 0x80 (no needle has it), \n, \", \\ ... as the character. */
+static size_t decode_escapes(char *s, size_t len)
+{
+    size_t out = 0;
+    for (size_t i = 0; i < len; i++) {
+        if (s[i] != '\\' || i + 1 >= len) {
+            s[out++] = s[i];
+            continue;
+        }
+        char c = s[++i];
+        if (c == 'u' && i + 4 < len && hexval(s[i + 1]) >= 0 && hexval(s[i + 2]) >= 0 && hexval(s[i + 3]) >= 0 &&
+            hexval(s[i + 4]) >= 0) {
+            int v = hexval(s[i + 1]) << 12 | hexval(s[i + 2]) << 8 | hexval(s[i + 3]) << 4 | hexval(s[i + 4]);
+            s[out++] = v < 0x80 ? (char)v : (char)0x80;
+            i += 4;
+        } else {
+            static const char from[] = "bfnrt", to[] = "\b\f\n\r\t";
+            const char *m = memchr(from, c, 5);
+            s[out++] = m ? to[m - from] : c;
+        }
+    }
+    return out;
+}
+
+static int mentions(const char *text, size_t len, const struct list *l)
+{
+    for (int i = 0; i < l->count; i++)
+        if (memmem(text, len, l->items[i], strlen(l->items[i])))
+            return 1;
+    return 0;
+}
+
+/* 1: the spec cannot be a GPU request; 0: it may be (or could not be read as it must be). */
+static int cannot_be_gpu(char *spec, size_t len, const struct settings *s)
+{
+    len = decode_escapes(spec, len);
+    for (const char *const *n = fixed_needles; *n; n++)
+        if (memmem(spec, len, *n, strlen(*n)))
+            return 0;
+    if (mentions(spec, len, &s->swarm))
+        return 0;
+    if (!s->prefixes.count && s->prefixes.certain) /* the default */
+        return memmem(spec, len, "cdi.k8s.io/", 11) == NULL;
+    return !mentions(spec, len, &s->prefixes);
+}
+
+/* ---- running things ------------------------------------------------------------------------- */
+
+static void say(const char *what, const char *detail)
+{
+    dprintf(2, "%s: runtime error: %s: %s\n", prog, what, detail);
+}
+
+static int same_file(const char *a, const char *b)
+{
+    struct stat x, y;
+    return stat(a, &x) == 0 && stat(b, &y) == 0 && x.st_dev == y.st_dev && x.st_ino == y.st_ino;
+}
+
+static int runnable(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode) && access(path, X_OK) == 0 &&
+           !same_file(path, "/proc/self/exe");
+}
+
+/* The first runtime found, as lowlevel.find does; NULL if none (then Python explains). */
+static char *find_runtime(const struct list *names)
+{
+    static const char *const defaults_[] = {"runc", "crun"};
+    int n = names->count ? names->count : 2;
+    for (int i = 0; i < n; i++) {
+        const char *name = names->count ? names->items[i] : defaults_[i];
+        const char *base = strrchr(name, '/') ? strrchr(name, '/') + 1 : name;
+        if (strcmp(base, "nvidia-container-runtime") == 0 || strcmp(base, "nvcontainer-runtime") == 0)
+            continue;
+        if (name[0] == '/') {
+            if (runnable(name))
+                return strdup(name);
+            continue;
+        }
+        const char *dir = SAFE_PATH;
+        while (*dir) {
+            size_t dlen = strcspn(dir, ":");
+            char path[PATH_MAX];
+            if (dlen && snprintf(path, sizeof path, "%.*s/%s", (int)dlen, dir, name) < (int)sizeof path &&
+                runnable(path))
+                return strdup(path);
+            dir += dlen + (dir[dlen] == ':');
+        }
+    }
+    return NULL;
+}
+
+static int run_runtime(const char *path, int argc, char **argv)
+{
+    if (same_file(path, "/proc/self/exe")) {
+        say(path, "is this program: set runtimes in [nvidia-container-runtime] to runc or crun");
+        return 1;
+    }
+    char **args = calloc((size_t)argc + 1, sizeof *args);
+    if (!args) {
+        say("memory", strerror(errno));
+        return 1;
+    }
+    args[0] = (char *)path;
+    for (int i = 1; i < argc; i++)
+        args[i] = argv[i];
+    execv(path, args);
+    say(path, strerror(errno));
+    return 1;
+}
+
+static void close_from(int low)
+{
+    if (syscall(SYS_close_range, low, ~0U, 0) == 0)
+        return;
+    long max = sysconf(_SC_OPEN_MAX);
+    for (long fd = low; fd < (max > 0 && max < 65536 ? max : 65536); fd++)
+        close((int)fd);
+}
+
+/* The Python shim in a child: clean environment, "/" as cwd, the reply on fd 3. */
+__attribute__((unused)) static int ask_python(int argc, char **argv)
+{
+    char cwd[PATH_MAX];
+    if (!getcwd(cwd, sizeof cwd)) {
+        say("working directory", strerror(errno));
+        return 1;
+    }
+    int reply[2];
+    if (pipe2(reply, O_CLOEXEC) < 0) {
+        say("pipe", strerror(errno));
+        return 1;
+    }
+    pid_t parent = getpid();
+    pid_t child = fork();
+    if (child < 0) {
+        say("fork", strerror(errno));
+        return 1;
+    }
+    if (child == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent)
+            _exit(1);
+        if (reply[1] == REPLY_FD)
+            fcntl(REPLY_FD, F_SETFD, 0);
+        else if (dup2(reply[1], REPLY_FD) < 0)
+            _exit(1);
+        int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+        if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || chdir("/") < 0)
+            _exit(1);
+        close_from(REPLY_FD + 1);
+        char **args = calloc((size_t)argc + 16, sizeof *args);
+        if (!args)
+            _exit(1);
+        int n = 0;
+        args[n++] = (char *)NVC_PYTHON;
+        args[n++] = "-I";
+        args[n++] = "-m";
+        args[n++] = "nvcontainer.runtime";
+        args[n++] = "--prog";
+        args[n++] = (char *)prog;
+        if (*NVC_CONFIG) {
+            args[n++] = "--config";
+            args[n++] = (char *)NVC_CONFIG;
+        }
+        args[n++] = "--cwd";
+        args[n++] = cwd;
+        args[n++] = "--reply-fd";
+        args[n++] = "3";
+        args[n++] = "--";
+        for (int i = 1; i < argc; i++)
+            args[n++] = argv[i];
+        char *env[] = {"PATH=" SAFE_PATH, NULL};
+        execve(NVC_PYTHON, args, env);
+        dprintf(2, "%s: runtime error: cannot run %s: %s\n", prog, NVC_PYTHON, strerror(errno));
+        _exit(1);
+    }
+    close(reply[1]);
+    char path[PATH_MAX + 1];
+    size_t used = 0;
+    for (;;) {
+        ssize_t got = read(reply[0], path + used, sizeof path - 1 - used);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            break;
+        used += (size_t)got;
+        if (used >= sizeof path - 1)
+            break;
+    }
+    close(reply[0]);
+    int status;
+    while (waitpid(child, &status, 0) < 0)
+        if (errno != EINTR) {
+            say("waiting for the Python shim", strerror(errno));
+            return 1;
+        }
+    if (!WIFEXITED(status))
+        return 1;
+    if (WEXITSTATUS(status) != 0)
+        return WEXITSTATUS(status);
+    path[used] = '\0';
+    if (used < 3 || path[0] != '/' || path[used - 1] != '\n' || memchr(path, '\0', used)) {
+        say("the Python shim", "no runtime in its reply");
+        return 1;
+    }
+    path[used - 1] = '\0';
+    return run_runtime(path, argc, argv);
+}
+
+/* The index of the command word (argc if none); for create and run, its bundle and spec file
+ * name options (left as they are when not given). */
+static int command_of(int argc, char **argv, const char **bundle, const char **config)
+{
+    int i = skip_options(argc, argv, 1, global_valued, NULL, NULL);
+    if (i < argc && (strcmp(argv[i], "create") == 0 || strcmp(argv[i], "run") == 0))
+        skip_options(argc, argv, i + 1, create_valued, bundle, config);
+    return i;
+}
+
+/* 1: the engine's command can go to the low-level runtime without the Python shim. */
+static int answer_alone(int argc, char **argv, const struct settings *s)
+{
+    const char *bundle = "", *config = "";
+    int i = command_of(argc, argv, &bundle, &config);
+    if (i >= argc || (strcmp(argv[i], "create") != 0 && strcmp(argv[i], "run") != 0))
+        return 1;
+    if (!s->swarm.certain || !s->prefixes.certain)
+        return 0;
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof path, "%s/%s", *bundle ? bundle : ".", *config ? config : "config.json") >=
+        (int)sizeof path)
+        return 0;
+    size_t len;
+    char *spec = read_bounded(path, SPEC_CAP, 1, &len);
+    if (!spec)
+        return errno == ENOENT; /* none there: the runtime says so itself */
+    int alone = cannot_be_gpu(spec, len, s);
+    free(spec);
+    return alone;
+}
+
+#ifndef NVC_SCAN_TEST
+int main(int argc, char **argv)
+{
+    const char *base = argc > 0 && argv[0] ? strrchr(argv[0], '/') : NULL;
+    if (argc > 0 && argv[0] && *argv[0])
+        prog = base ? base + 1 : argv[0];
+    struct settings s;
+    load_settings(&s);
+    if (s.readable && s.runtimes.certain && answer_alone(argc, argv, &s)) {
+        char *runtime = find_runtime(&s.runtimes);
+        if (runtime)
+            return run_runtime(runtime, argc, argv);
+    }
+    return ask_python(argc, argv);
+}
+#else
+/* Test driver. `front config`: what the configuration scan understood. `front argv ARGS...`:
+ * whether the command could be answered alone (bundle scan included). `front scan`: length-
+ * prefixed specs on stdin (4 bytes, little endian), one verdict byte each on stdout: 'n' cannot
+ * be a GPU request, 'm' may be. */
+static void show(const char *name, const struct list *l)
+{
+    printf("%s %d", name, l->certain);
+    for (int i = 0; i < l->count; i++)
+        printf(" %s", l->items[i]);
+    printf("\n");
+}
+
+int main(int argc, char **argv)
+{
+    struct settings s;
+    load_settings(&s);
+    if (argc >= 2 && strcmp(argv[1], "config") == 0) {
+        printf("readable %d\n", s.readable);
+        show("runtimes", &s.runtimes);
+        show("swarm", &s.swarm);
+        show("prefixes", &s.prefixes);
+        char *runtime = find_runtime(&s.runtimes);
+        printf("found %s\n", runtime ? runtime : "-");
+        return 0;
+    }
+    if (argc >= 2 && strcmp(argv[1], "argv") == 0) {
+        const char *bundle = "-", *config = "-";
+        int i = command_of(argc - 1, argv + 1, &bundle, &config);
+        printf("%s %s %s %d\n", i < argc - 1 ? argv[i + 1] : "-", bundle, config,
+               answer_alone(argc - 1, argv + 1, &s));
+        return 0;
+    }
+    for (;;) {
+        unsigned char head[4];
+        if (fread(head, 1, 4, stdin) != 4)
+            return 0;
+        size_t len = head[0] | head[1] << 8 | head[2] << 16 | (size_t)head[3] << 24;
+        char *spec = malloc(len + 1);
+        if (!spec || fread(spec, 1, len, stdin) != len)
+            return 1;
+        putchar(cannot_be_gpu(spec, len, &s) ? 'n' : 'm');
+        free(spec);
+    }
+}
+#endif

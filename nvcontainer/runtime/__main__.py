@@ -1,0 +1,5 @@
+import sys
+
+from .prepare import main
+
+sys.exit(main())

@@ -1,0 +1,133 @@
+"""The shim's decision: a bundle's ``config.json`` bytes, the operator's settings and what the
+host offers → the new ``config.json`` bytes, or None to leave the file as it is.
+
+Pure apart from the readers it is handed (:class:`World`), which it calls only when the answer
+needs them: the driver inventory for a legacy GPU request, the CDI spec directories when CDI
+devices are asked for. A container that asks for nothing is answered from its spec alone, and
+its file is not written (byte for byte as the engine wrote it).
+
+Modes (``[nvidia-container-runtime] mode``): ``legacy`` decides as the hook does
+(:func:`..request.decide.request_from_env`), adds the hook and the plan's device nodes and rules
+(:mod:`.legacy`); ``cdi`` resolves CDI names (:mod:`.cdinames`) against the spec directories,
+checks the spec as ``nvcontainer cdi check`` does, applies its edits (:mod:`.cdiedits`) and takes
+out any NVIDIA prestart hook, as upstream does; ``auto`` is ``cdi`` when CDI names are asked for,
+else ``legacy``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..config.model import Config
+from ..errors import NvcError, escape
+from ..request import oci
+from ..request.decide import request_from_env
+from . import cdinames, specdict
+
+if TYPE_CHECKING:
+    from ..cdi.store import SpecFile
+
+# The planning and CDI modules are imported only for a container that needs them: the Python
+# half runs for every container the native front could not rule out, most of them asking for
+# nothing.
+
+
+@dataclass(frozen=True)
+class CdiView:
+    """The spec directories as the shim sees them at this create."""
+    specs: tuple["SpecFile", ...]
+    problems: tuple[str, ...]                          # files that could not be used, one line each
+    stale: Callable[["SpecFile"], str | None]          # why a spec is stale, or None
+    probe: Callable[[str], tuple[str, int, int] | None]
+
+
+@dataclass(frozen=True)
+class World:
+    hook: Callable[[], dict]            # the prestart entry legacy mode adds, found on demand
+    inventory: Callable[[], object]     # the driver inventory, read on demand
+    cdi: Callable[[], CdiView]          # the CDI spec directories, read on demand
+
+
+@dataclass(frozen=True)
+class Edit:
+    data: bytes | None                  # the new config.json; None: leave it as it is
+    mode: str                           # the mode that decided: legacy or cdi
+    summary: str                        # one line for the trace
+    warnings: tuple[str, ...] = ()
+
+
+def edit(data: bytes, bundle: str, config: Config, world: World) -> Edit:
+    original = oci.spec_object(data)
+    spec = oci.parse_spec(data, bundle)
+    asked = cdinames.asked(spec, config, config.mode) if config.mode != "legacy" else None
+    if config.mode == "cdi" or asked is not None:
+        if asked is None or not asked.names:
+            return Edit(None, "cdi", "no CDI device asked for", asked.warnings if asked else ())
+        obj = oci.spec_object(data)
+        summary = _cdi(obj, asked, world.cdi())
+        return Edit(_changed(original, obj), "cdi", summary, asked.warnings)
+    request = request_from_env(spec.environ(), config, privileged=spec.privileged, mounts=spec.mounts,
+                               annotations=spec.annotations)
+    if not request.gpu:
+        return Edit(None, "legacy", "not a GPU container", request.warnings)
+    for path in (("hooks", "prestart"), ("linux", "devices"), ("linux", "resources", "devices")):
+        specdict.check(original, *path)
+    from ..plan.build import HostProc, build_plan
+    from ..plan.container import ContainerFacts
+    from ..plan.gather import options_from_config
+    from . import legacy
+
+    # the library directories do not matter for which device nodes a request gets
+    facts = ContainerFacts(libs_dir="/usr/lib64", libs32_dir="/usr/lib32")
+    plan = build_plan(request, world.inventory(), facts, HostProc(), options_from_config(config), rootfs=spec.rootfs)
+    obj = oci.spec_object(data)
+    hook = world.hook()
+    legacy.apply(obj, hook, plan)
+    nodes = ", ".join(d.path for d in plan.devices) if plan.cgroups else "none (no-cgroups)"
+    return Edit(_changed(original, obj), "legacy", f"hook {hook['path']}; device nodes and rules: {nodes}",
+                plan.warnings)
+
+
+def _changed(original: dict, obj: dict) -> bytes | None:
+    if obj == original:
+        return None
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _cdi(obj: dict, asked: cdinames.Asked, view: CdiView) -> str:
+    from ..cdi import store
+    from . import cdiedits, legacy
+
+    names = {n.name: n for n in store.resolve_names(list(view.specs))}
+    files = {s.path: s for s in view.specs}
+    used: dict[str, "SpecFile"] = {}
+    for name in asked.names:
+        found = names.get(name)
+        if found is None:
+            why = f"; {view.problems[0]}" if view.problems else ""
+            raise NvcError("cdi", f"unresolvable CDI device {escape(name)} (from {asked.source}): no spec in the "
+                                  f"spec directories defines it{why}")
+        if found.conflicts:
+            raise NvcError("cdi", f"CDI device {escape(name)} is defined twice at the same priority: "
+                                  f"{escape(found.path)} and {escape(found.conflicts[0])}")
+        spec_file = files[found.path]
+        if spec_file.path not in used:
+            stale = view.stale(spec_file)
+            if stale:
+                raise NvcError("cdi", stale)
+            used[spec_file.path] = spec_file
+        kind = spec_file.spec["kind"]
+        device = next(d for d in spec_file.spec["devices"] if f"{kind}={d['name']}" == name)
+        cdiedits.apply(obj, device.get("containerEdits") or {}, f"{escape(spec_file.path)}: device {escape(name)}",
+                       view.probe)
+    for spec_file in used.values():
+        cdiedits.apply(obj, spec_file.spec.get("containerEdits") or {}, f"{escape(spec_file.path)}: containerEdits",
+                       view.probe)
+    hooks = obj.get("hooks")
+    if isinstance(hooks, dict) and hooks.get("prestart") is not None:
+        prestart = specdict.items(specdict.table(obj, "hooks"), "prestart", "config.json: hooks")
+        prestart[:] = [h for h in prestart if not legacy.is_gpu_hook(h)]
+    return f"CDI devices {', '.join(asked.names)} from {', '.join(used)}"
