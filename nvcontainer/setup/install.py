@@ -65,8 +65,8 @@ def locate(bin_dir: str, python: str, client_module: str, prefix: str = "/") -> 
     from ..native import build as native
 
     def ready(name: str) -> bool:
-        path = os.path.join(prefix, bin_dir.lstrip("/"), name)
-        return os.path.isfile(path) and os.access(path, os.X_OK)
+        paths = {os.path.join(bin_dir, name), os.path.join(prefix, bin_dir.lstrip("/"), name)}
+        return any(os.path.isfile(p) and os.access(p, os.X_OK) for p in paths)
 
     cc = native.compiler() is not None
     return Install(bin_dir=bin_dir, python=python, client_module=client_module, client_ready=ready(CLIENT),
