@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 
 from nvcontainer.native import build as native
-from tests.fixtures import dockerd, runtime
+from nvcontainer.setup import containerd as containerd_setup
+from tests.fixtures import cri, dockerd, runtime
 from tests.fixtures.fakegpu import FakeSpec
 
 ENXIO = "No such device or address"
@@ -187,3 +188,31 @@ def test_dockerd_with_nvidia_as_the_default_runtime(machine, node, tmp_path):
     subprocess.run([*CLI, "setup", "docker", "--undo", "--prefix", str(prefix)], check=True, capture_output=True,
                    timeout=60)
     assert not daemon.exists()   # setup made it; undo takes it back whole
+
+
+def test_containerd_cri_with_the_runtime_handler_setup_wrote(machine, node, tmp_path):
+    """Kubernetes' way: pods through containerd's CRI gRPC endpoint with the runtime handler
+    'nvidia' from the drop-in setup wrote (containerd 1.6: the handler is the route; no CDI)."""
+    need("containerd", "ctr", "runc")
+    pytest.importorskip("grpc")
+    base = cri.prepare(tmp_path / "c")
+    prefix = tmp_path / "root"
+    main = prefix / "etc/containerd/config.toml"
+    main.parent.mkdir(parents=True)
+    main.write_text((base / "config.toml").read_text())
+    setup(node, prefix, "containerd", "--engine-version", "1.6.20")
+    assert f'imports = ["{containerd_setup.DROPIN}"]' in main.read_text()
+    other = 'cat /dev/nvidia1 2>&1 | head -1; [ -e /dev/nvidia0 ] || echo ZERO:absent'
+    results, res = cri.run(machine, base, main, f"{prefix / 'etc'}:{node / 'etc'}", [
+        {"name": "gpu0", "handler": "nvidia", "env": ["NVIDIA_VISIBLE_DEVICES=0"], "script": CHECKS},
+        {"name": "gpu1", "handler": "nvidia", "env": ["NVIDIA_VISIBLE_DEVICES=1"], "script": other},
+        {"name": "plain", "handler": "nvidia", "env": [], "script": CHECKS},
+        {"name": "runc", "handler": "", "env": ["NVIDIA_VISIBLE_DEVICES=0"], "script": CHECKS},
+    ])
+    context = f"{res.stdout}\n{res.stderr}\n{cri.log(base)}"
+    got = {r["name"]: (r["rc"], r["log"]) for r in results}
+    assert len(got) == 4, context
+    assert_gpu0(*got["gpu0"], context)
+    assert got["gpu1"] == (0, f"cat: can't open '/dev/nvidia1': {ENXIO}\nZERO:absent"), context
+    for name in ("plain", "runc"):   # no GPU asked for; the default handler runs no hook at all
+        assert got[name][0] == 0 and facts(got[name][1])["OPEN0"] == ["absent"], context
