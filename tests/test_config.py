@@ -330,3 +330,32 @@ def test_a_broken_losing_file_is_not_read(default_files):
 def test_neither_file_is_the_defaults(default_files):
     c = load()
     assert c == Config() and c.source is None and c.report() == ["configuration: none found, defaults"]
+
+
+@pytest.mark.parametrize("text", ["", TOOLKIT_FILE, 'root = "/drv"\nno-cgroups = true\ndeadline = 2.5\n'])
+def test_render_reads_back_as_the_same_settings(text):
+    from nvcontainer.config import toolkit
+
+    c = parse(text, "/f.toml")
+    shown = toolkit.render(c)
+    assert parse(shown) == c
+    for line in shown.splitlines():
+        assert line.startswith("#") or line.startswith("[") or not line or "  # from: " in line
+    if c.root != "/":
+        assert 'root = "/drv"  # from: /f.toml' in shown or 'root = "/run/nvidia/driver"  # from: /f.toml' in shown
+    assert "# allowed-devices is unset (every device)  # from: default" in shown or c.allowed_devices
+
+
+def test_nvcontainer_config_command(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.toml"
+    path.write_text('[nvidia-container-cli]\nroot = "/drv"\nload-kmods = true\n')
+    res = subprocess.run([sys.executable, "-m", "nvcontainer", "--config", str(path), "--ldcache", "/c", "config"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"# configuration: {path}\n# {path}: nvidia-container-cli.load-kmods = true: no effect")
+    assert f'root = "/drv"  # from: {path}' in res.stdout
+    assert 'ldcache = "/c"  # from: --ldcache' in res.stdout
+    assert 'mode = "auto"  # from: default' in res.stdout

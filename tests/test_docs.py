@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from nvcontainer.config import load as config
+from nvcontainer.config import toolkit
 from nvcontainer.config.model import Config
 from nvcontainer.hook import prestart as hook
 from nvcontainer.request import decide as request
@@ -31,8 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CLI_PAGE = ROOT / "man" / "nvcontainer.1"
 HOOK_PAGE = ROOT / "man" / "nvcontainer-hook.1"
 CONFIG_PAGE = ROOT / "man" / "nvcontainer.toml.5"
+RUNTIME_PAGE = ROOT / "man" / "nvidia-container-runtime.1"
 PLAN_DOC = ROOT / "docs" / "plan.md"
-PAGES = (CLI_PAGE, HOOK_PAGE, CONFIG_PAGE)
+PAGES = (CLI_PAGE, HOOK_PAGE, CONFIG_PAGE, RUNTIME_PAGE)
 
 
 def roff(name: str) -> str:
@@ -92,21 +94,40 @@ def test_every_hook_option_and_stage_is_documented():
         assert mentions(text, name), f"{name} is not documented in man/nvcontainer-hook.1"
 
 
-def _toml_keys() -> dict[str, str]:
-    """Config field → TOML key, as config.py maps them."""
-    return {field: key for key, (field, _check) in config._KEYS.items()}
-
-
 def test_every_config_key_is_documented_and_nothing_else():
-    keys = _toml_keys()
-    fields = [f.name for f in dataclasses.fields(Config)]
-    missing = [f for f in fields if f not in keys]
-    assert not missing, f"Config fields without a TOML key: {missing}"
-    text = section(CONFIG_PAGE.read_text(), ".SH KEYS")
-    documented = {m.replace("\\-", "-") for m in re.findall(r"^\\fB([a-z\\-]+)\\fR = ", text, re.M)}
-    assert documented == set(keys.values()), (
-        f"undocumented: {sorted(set(keys.values()) - documented)}; "
-        f"documented but not keys: {sorted(documented - set(keys.values()))}")
+    """Every key of every table (KEYS, under its ``.SS [table]``), every Config setting has a key,
+    and every upstream key without an effect is named in KEYS WITHOUT EFFECT with its table."""
+    keys = {toolkit.where(t, k): name for t, table in toolkit.TABLES.items() for k, (name, _) in table.items()}
+    meta = {"source", "origins", "inert", "note"}
+    fields = [f.name for f in dataclasses.fields(Config) if f.name not in meta]
+    assert sorted(fields) == sorted(keys.values()), "Config fields and TOML keys differ"
+    lines = CONFIG_PAGE.read_text().splitlines()
+    documented, table = set(), ""
+    for line in lines[lines.index(".SH KEYS") + 1:]:
+        if line.startswith(".SH "):
+            break
+        if line.startswith(".SS ["):
+            table = line[5:-1].replace("\\-", "-")
+        m = re.match(r"^\\fB([a-z\\-]+)\\fR = ", line)
+        if m:
+            documented.add(toolkit.where(table, m.group(1).replace("\\-", "-")))
+    assert documented == set(keys), (f"undocumented: {sorted(set(keys) - documented)}; "
+                                     f"documented but not keys: {sorted(documented - set(keys))}")
+    inert = section(CONFIG_PAGE.read_text(), ".SH KEYS WITHOUT EFFECT")
+    for table, names in toolkit.INERT.items():
+        line = next((x for x in inert.splitlines() if x.startswith(f"\\fB[{roff(table)}]\\fR ")), "")
+        for name in names:
+            assert mentions(line, name), f"{table}.{name} is not in KEYS WITHOUT EFFECT"
+
+
+def test_the_runtime_page_names_every_option_it_reads_and_its_keys():
+    from nvcontainer.runtime import argv
+
+    text = RUNTIME_PAGE.read_text()
+    for name in (*argv.GLOBAL_VALUED, *argv.CREATE_VALUED, *argv.ALIASES):
+        assert mentions(text, name), f"{name} is not in man/nvidia-container-runtime.1"
+    for key in (*toolkit.TABLES[toolkit.RUNTIME], *toolkit.TABLES[toolkit.CDI_MODE]):
+        assert mentions(text, key), f"{key} is not in man/nvidia-container-runtime.1"
 
 
 def test_config_example_is_a_valid_config():

@@ -40,7 +40,7 @@ def with_(**changes) -> Facts:
 
 def test_healthy_node_is_all_ok():
     got = verdicts(HEALTHY)
-    assert [v for v, _, _ in got.values()] == [OK] * 11, got
+    assert [v for v, _, _ in got.values()] == [OK] * 12, got
     assert got["hooks"][1] == "no hook registered: containers get GPUs through CDI only"
 
 
@@ -173,7 +173,7 @@ def test_doctor_on_a_healthy_fake_machine(fake_machine, tmp_path):
     assert res.returncode == 0, res.stderr
     report = {c["name"]: c for c in json.loads(res.stdout)}
     assert list(report) == ["driver loaded", "ld cache", "versions match", "NVML", "device nodes", "cgroups",
-                            "ldconfig", "persistence", "CDI specs", "hooks", "hook server"]
+                            "ldconfig", "persistence", "CDI specs", "hooks", "hook server", "configuration"]
     for name in ("driver loaded", "ld cache", "versions match", "NVML", "device nodes", "ldconfig", "persistence"):
         assert report[name]["verdict"] == OK, report[name]
     assert report["NVML"]["detail"] == "driver 550.54.14, 2 GPU(s)"
@@ -213,6 +213,15 @@ def test_doctor_options_are_documented():
         assert option in out and option.replace("-", "\\-") in page
     for check in doctor.evaluate(HEALTHY):
         assert f".B {check.name}" in page, f"check {check.name!r} is not described in man/nvcontainer-doctor.1"
+
+
+def test_configuration_reports_inert_keys_and_two_files():
+    assert verdicts(with_(config_lines=("configuration: /etc/x.toml",)))["configuration"] == \
+        (OK, "configuration: /etc/x.toml", "")
+    verdict, detail, fix = verdicts(with_(config_lines=(
+        "configuration: /etc/nvcontainer/config.toml", "both ... exist: /etc/nvcontainer/config.toml is read",
+        "/etc/nvcontainer/config.toml: nvidia-ctk.path = \"x\": no effect here (why)")))["configuration"]
+    assert verdict == WARN and "nvidia-ctk.path" in detail and "is read" in detail and "remove the keys" in fix
 
 
 def test_hook_server_states():

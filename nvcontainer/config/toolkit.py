@@ -14,6 +14,8 @@ a room that needs a table of its own (nvcontainer's settings are ``[nvcontainer]
 
 from __future__ import annotations
 
+import json
+
 from . import values
 
 RUNTIME = "nvidia-container-runtime"
@@ -117,3 +119,40 @@ def is_table(path: str) -> bool:
 def where(table: str, key: str) -> str:
     """How a key is named in messages: ``key`` at the top level, else ``table.key``."""
     return f"{table}.{key}" if table else key
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(value)   # a TOML basic string for what these settings hold
+
+
+def render(config) -> str:
+    """The effective settings in the toolkit's layout, each with where its value came from (a
+    file, a command-line option or the default); an unset setting is a comment. Pure."""
+    head = [f"# {line}" for line in config.report()]
+    lines = head + ["# (from: where each value came from)"]
+    for table, keys in TABLES.items():
+        if table:
+            lines += ["", f"[{table}]"]
+        for key, (name, _check) in keys.items():
+            value = getattr(config, name)
+            origin = config.origin(name)
+            if value is None:
+                lines.append(f"# {key} is unset ({UNSET[name]})  # from: {origin}")
+            else:
+                lines.append(f"{key} = {_toml(value)}  # from: {origin}")
+    return "\n".join(lines) + "\n"
+
+
+UNSET = {
+    "debug": "no trace",
+    "user": "NVML loads as the kernel's overflow ids",
+    "runtime_debug": "no trace",
+    "hook_path": "the served client where setup --serve built it, else nvidia-container-runtime-hook",
+    "allowed_devices": "every device",
+}

@@ -58,6 +58,7 @@ class Facts:
     registration_problems: tuple[str, ...] = ()           # setup's registrations that no longer hold
     serve_socket: str = "/run/nvcontainer/hook.sock"
     serve_state: str = "absent"                           # listening, absent, stale (nobody answers)
+    config_lines: tuple[str, ...] = ()                    # Config.report(): the file read, which won, inert keys
 
 
 # --- deciding ----------------------------------------------------------------------------------
@@ -68,7 +69,17 @@ def evaluate(f: Facts) -> list[Check]:
               _cdi(f)]
     checks.append(_registrations(f))
     checks.append(_serve(f))
+    checks.append(_configuration(f))
     return checks
+
+
+def _configuration(f: Facts) -> Check:
+    """The file read; a warning for upstream keys that have no effect here, or two files."""
+    read, notes = (f.config_lines[:1] or ["configuration: unknown"])[0], f.config_lines[1:]
+    if notes:
+        return Check("configuration", WARN, escape(f"{read}; " + "; ".join(notes), 600),
+                     "remove the keys that have no effect (or merge the two files), so the file says what happens")
+    return Check("configuration", OK, escape(read))
 
 
 def _driver(f: Facts) -> Check:

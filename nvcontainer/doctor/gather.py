@@ -45,6 +45,7 @@ def gather(config, spec_dirs, *, proc: str = "/proc", etc: str = "/", serve_sock
 
     facts["serve_socket"] = serve_socket or SOCKET
     facts["serve_state"] = serve_state(facts["serve_socket"])
+    facts["config_lines"] = tuple(config.report())
     return Facts(**facts)
 
 
