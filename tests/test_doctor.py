@@ -124,9 +124,30 @@ def test_registrations_are_read_from_engine_configs(tmp_path):
     assert registrations.registrations(str(tmp_path)) == [
         ("podman/CRI-O", "nvcontainer hook /usr/local/bin/nvcontainer-hook", "/etc/containers/oci/hooks.d/nvcontainer.json"),
         ("docker", "nvidia-container-toolkit runtime 'nvidia' (/usr/bin/nvidia-container-runtime)", "/etc/docker/daemon.json"),
-        ("containerd", "nvidia-container-toolkit runtime /usr/bin/nvidia-container-runtime", "/etc/containerd/config.toml"),
+        ("containerd", "nvidia-container-toolkit runtime handler 'nvidia' (/usr/bin/nvidia-container-runtime)",
+         "/etc/containerd/config.toml"),
     ]
     assert registrations.registrations(str(tmp_path / "empty")) == []
+
+
+def test_a_docker_registration_through_path_alone_is_seen(tmp_path):
+    """dockerd's --gpus needs only nvidia-container-runtime-hook on its PATH: that is a registration
+    (it used to be missed, and doctor said no engine was set up)."""
+    (tmp_path / "opt/nvc/bin").mkdir(parents=True)
+    (tmp_path / "opt/nvc/bin/nvcontainer").touch()
+    (tmp_path / "usr/local/bin").mkdir(parents=True)
+    os.symlink("/opt/nvc/bin/nvidia-container-runtime-hook", tmp_path / "usr/local/bin/nvidia-container-runtime-hook")
+    (tmp_path / "usr/bin").mkdir(parents=True)
+    (tmp_path / "usr/bin/nvidia-container-cli").write_text("#!/bin/sh\n")   # NVIDIA's, for ctr --gpus
+    found = registrations.registrations(str(tmp_path))
+    assert found == [("docker --gpus", "nvcontainer nvidia-container-runtime-hook on dockerd's PATH",
+                      "/usr/local/bin/nvidia-container-runtime-hook"),
+                     ("containerd ctr --gpus", "nvidia-container-toolkit nvidia-container-cli on PATH",
+                      "/usr/bin/nvidia-container-cli")]
+    got = verdicts(with_(registrations=tuple(found), cdi_verdicts=()))
+    assert got["hooks"][0] == WARN and "more than one injector" in got["hooks"][1]
+    got = verdicts(with_(registrations=tuple(found[:1]), cdi_verdicts=()))
+    assert got["hooks"][0] == OK
 
 
 def test_node_facts_compare_numbers(fake_machine, tmp_path):
@@ -206,10 +227,12 @@ def test_configuration_reports_inert_keys_and_two_files():
 def test_hook_server_states():
     assert verdicts(with_(serve_state="listening"))["hook server"][0] == OK
     absent = verdicts(with_(serve_state="absent"))["hook server"]
-    assert absent[0] == SKIP and "setup ENGINE --serve" in absent[2]
+    assert absent[0] == SKIP and "enables nvcontainer-serve.socket" in absent[2]
     client = ("podman/CRI-O", "nvcontainer hook /opt/nvc/bin/python (client of nvcontainer serve)", "/etc/x.json")
     waiting = verdicts(with_(serve_state="absent", registrations=(client,)))["hook server"]
-    assert waiting[0] == WARN and "none listens" in waiting[1] and "enable --now nvcontainer-serve" in waiting[2]
+    assert waiting[0] == WARN and "none listens" in waiting[1] and "enable --now nvcontainer-serve.socket" in waiting[2]
+    runtime = ("docker", "nvcontainer runtime 'nvidia' (/usr/lib/nvcontainer/bin/nvidia-container-runtime)", "/x")
+    assert verdicts(with_(serve_state="absent", registrations=(runtime,)))["hook server"][0] == WARN
     assert verdicts(with_(serve_state="stale"))["hook server"][0] == WARN
 
 

@@ -445,8 +445,8 @@ def test_runtime_starts_a_gpu_container_through_the_server(fake_machine, tmp_pat
 
 
 def test_podman_runs_the_client_that_setup_registers(fake_machine, tmp_path, native_client):
-    """hooks.d as ``nvcontainer setup podman --serve`` writes it, the server started beside podman."""
-    from nvcontainer.setup import engines as setup
+    """hooks.d as ``nvcontainer setup podman`` writes it, the server started beside podman."""
+    from nvcontainer.setup import engines as setup, install
 
     sock = str(tmp_path / "srv" / "hook.sock")
     log = tmp_path / "hook.log"
@@ -456,8 +456,9 @@ def test_podman_runs_the_client_that_setup_registers(fake_machine, tmp_path, nat
     driver_hook, _ = rt.hook_entries(fake_machine)
     (hooks / "00-proc-driver.json").write_text(json.dumps(
         {"version": "1.0.0", "hook": driver_hook, "when": {"always": True}, "stages": ["prestart"]}))
-    served = setup.Served(python=sys.executable, client=CLIENT, cli="unused", native=native_client)
-    entry = json.loads(setup.hook_json("unused", served))
+    inst = install.Install(bin_dir=os.path.dirname(native_client), python=sys.executable, client_module=CLIENT,
+                           client_ready=True)
+    entry = json.loads(setup.hooks_json(install.hook_entry(inst, served=True, deadline=30)))
     assert entry["hook"]["args"] == [native_client, "prestart"] and entry["hook"]["path"] == native_client
     entry["hook"]["args"][-1:] = ["--socket", sock, "--root", str(fake_machine.root), "--debug", str(log), "prestart"]
     (hooks / "01-nvcontainer.json").write_text(json.dumps(entry))

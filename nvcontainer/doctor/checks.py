@@ -55,6 +55,7 @@ class Facts:
     cdi_verdicts: tuple = ()                              # cdi.check.Verdict
     cdi_problems: tuple[str, ...] = ()
     registrations: tuple[tuple[str, str, str], ...] = ()  # (engine, what, where)
+    registration_problems: tuple[str, ...] = ()           # setup's registrations that no longer hold
     serve_socket: str = "/run/nvcontainer/hook.sock"
     serve_state: str = "absent"                           # listening, absent, stale (nobody answers)
     config_lines: tuple[str, ...] = ()                    # Config.report(): the file read, which won, inert keys
@@ -194,17 +195,24 @@ def _cdi(f: Facts) -> Check:
     return Check("CDI specs", OK, f"{len(f.cdi_verdicts)} in {dirs}, none stale")
 
 
+PROVIDERS = ("nvcontainer", "nvidia-container-toolkit")
+
+
 def _registrations(f: Facts) -> Check:
     if not f.registrations:
         if f.cdi_verdicts:
             return Check("hooks", OK, "no hook registered: containers get GPUs through CDI only")
         return Check("hooks", WARN, "no engine is set up to give containers GPUs (no hook registration, no CDI spec)",
-                     f"CDI: {CDI_HINT}; or register nvcontainer-hook, see nvcontainer-hook(1)")
+                     "nvcontainer setup ENGINE (docker, containerd, crio, podman); see nvcontainer-setup(1)")
     found = "; ".join(f"{engine}: {what} ({escape(where)})" for engine, what, where in f.registrations)
-    providers = {what.split(" ", 1)[0] for _, what, _ in f.registrations}
+    if f.registration_problems:
+        return Check("hooks", WARN, f"{escape(f.registration_problems[0], 300)}; {found}",
+                     "run nvcontainer setup containerd again (it rewrites its drop-in from config.toml)")
+    providers = {what.split(" ", 1)[0] for _, what, _ in f.registrations} & set(PROVIDERS)
     if len(providers) > 1:
         return Check("hooks", WARN, f"more than one injector registered: {found}",
-                     "keep one: two hooks would both inject into the same container")
+                     "keep one: two hooks would both inject into the same container "
+                     "(nvcontainer setup ENGINE --undo, or remove NVIDIA's)")
     return Check("hooks", OK, found)
 
 
@@ -212,17 +220,19 @@ def _serve(f: Facts) -> Check:
     where = escape(f.serve_socket)
     if f.serve_state == "listening":
         return Check("hook server", OK, f"nvcontainer serve listens on {where}: hooks run warm")
-    clients = [what for _, what, _ in f.registrations if "client of nvcontainer serve" in what]
+    clients = [what for _, what, _ in f.registrations if "client of nvcontainer serve" in what
+               or what.startswith("nvcontainer runtime")]
     if f.serve_state == "stale":
         return Check("hook server", WARN, f"{where} is there but nobody answers: a server stopped hard; "
                                           "hooks run in their own process",
-                     "systemctl restart nvcontainer-serve (it replaces the stale socket)")
+                     "systemctl restart nvcontainer-serve.socket (it replaces the stale socket)")
     if clients:
         return Check("hook server", WARN, f"hooks are registered to hand their runs to nvcontainer serve, and none "
                                           f"listens on {where}: each start runs the hook in its own process",
-                     "systemctl enable --now nvcontainer-serve")
+                     "systemctl enable --now nvcontainer-serve.socket")
     return Check("hook server", SKIP, f"none on {where}: hooks run in their own process (slower starts)",
-                 "for faster starts: nvcontainer setup ENGINE --serve; see nvcontainer-serve(1)")
+                 "for faster starts: nvcontainer setup ENGINE (it enables nvcontainer-serve.socket); "
+                 "see nvcontainer-serve(1)")
 
 
 # --- output ------------------------------------------------------------------------------------

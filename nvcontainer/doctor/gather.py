@@ -14,7 +14,7 @@ import stat
 from ..errors import NvcError
 from ..inventory.model import CTL_MINOR, NVIDIA_MAJOR
 from .checks import LIBRARIES, Check, Facts, Node, evaluate
-from .registrations import registrations
+from .registrations import problems as registration_problems, registrations
 
 
 def examine(config, spec_dirs, *, proc: str = "/proc", etc: str = "/", serve_socket: str | None = None) -> list[Check]:
@@ -40,6 +40,7 @@ def gather(config, spec_dirs, *, proc: str = "/proc", etc: str = "/", serve_sock
     verdicts, problems = commands.check_specs(spec_dirs, ())
     facts.update(cdi_dirs=tuple(spec_dirs), cdi_verdicts=tuple(verdicts), cdi_problems=tuple(problems))
     facts["registrations"] = tuple(registrations(etc))
+    facts["registration_problems"] = tuple(registration_problems(etc))
     from ..hook.client import SOCKET
 
     facts["serve_socket"] = serve_socket or SOCKET

@@ -203,7 +203,8 @@ int main(int argc, char **argv)
     if (status >= 0)
         return status;
     /* Nobody took it: the full hook in the install's interpreter. -I keeps PYTHON* variables
-     * of the hook's environment out. */
+     * of the hook's environment out; the loader's own are dropped (the interpreter is dynamic). */
+    unsetenv("LD_PRELOAD"), unsetenv("LD_LIBRARY_PATH"), unsetenv("LD_AUDIT");
     char **args = calloc((size_t)argc + 4, sizeof *args);
     if (!args) {
         dprintf(2, "%s: error: out of memory\n", PROG);

@@ -1,275 +1,253 @@
-"""``nvcontainer setup ENGINE``: what each container engine needs to give containers GPUs.
+"""``nvcontainer setup ENGINE``: what each container engine needs to give containers GPUs, decided
+from the engine's files as they are and its version.
 
-Engines find GPU support in different places: podman and CRI-O read OCI hook files from a
-``hooks.d`` directory, Docker's ``--gpus`` runs ``nvidia-container-runtime-hook`` found on PATH,
-containerd (and so Kubernetes) runs no hooks of its own and takes devices from CDI specs, and a
-bare runc runs what the bundle's ``config.json`` names. :func:`steps` decides the files, links
-and configuration fragments (pure); :func:`perform` shows or makes them. Files that belong to the
-operator (``daemon.json``, containerd's ``config.toml``) are never edited: their fragment is
-printed to merge by hand. A file this command does write is written atomically, and one that
-already exists with other contents is first copied to ``PATH.bak-<timestamp>`` and the change
-shown as a unified diff.
+Engines find GPU support in different places, and ``setup`` edits each one's own configuration,
+as ``nvidia-ctk runtime configure`` does: Docker's ``daemon.json`` gets the runtime ``nvidia``
+(the runtime shim) with the keys and their order it had kept, and ``nvidia-container-runtime-hook``
+goes on dockerd's PATH for ``--gpus``; containerd gets the runtime handler ``nvidia`` in a
+drop-in of ours (:mod:`.containerd`) and one ``imports`` entry in its ``config.toml``, with
+``nvidia-container-cli`` on PATH for ``ctr``/``nerdctl --gpus``; CRI-O a drop-in in
+``crio.conf.d``; podman (and CRI-O with ``--hook``) a hooks.d file; a bare runc the entry for
+each bundle's ``config.json``. The registration is the served one unless ``--in-process``: the
+native hook client, with the socket-activated ``nvcontainer serve`` enabled.
+
+:func:`steps` and :func:`undo` are pure given :class:`World` (what the files hold, what is on
+PATH); :mod:`.perform` makes the changes, :mod:`.record` remembers them for ``--undo``.
 """
 
 from __future__ import annotations
 
-import difflib
+import glob
 import json
 import os
-import stat
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import NvcError, escape
 from ..inventory.catalog import DEFAULT_PATH
+from . import containerd, jsonedit, record as records, tomltext, units, versions
+from .install import RUNTIME, Install, hook_entry
+from .model import Build, Link, RemoveFile, Steps, Systemctl, Unlink, WriteFile
 
 ENGINES = ("runc", "docker", "containerd", "podman", "crio")
 HOOK_FILE = "oci-nvcontainer-hook.json"
 HOOKS_DIRS = {"podman": "/etc/containers/oci/hooks.d", "crio": "/usr/share/containers/oci/hooks.d"}
-PATH_DIR = "/usr/local/bin"
-CDI_SPEC = "/var/run/cdi/nvidia.yaml"
-CDI_COMMAND = f"nvcontainer cdi generate --output {CDI_SPEC}"
-MAX_FILE = 1 << 20
-UNIT_NAME = "nvcontainer-serve.service"
-UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
-SERVE_SOCKET = "/run/nvcontainer/hook.sock"
+DAEMON_JSON = "/etc/docker/daemon.json"
+CRIO_DROPIN = "/etc/crio/crio.conf.d/99-nvidia.toml"
+LINK_DIR = "/usr/local/bin"
+CDI_SPEC = units.CDI_SPEC
+RESTART = {
+    "docker": "systemctl restart docker (dockerd reads daemon.json, and looks for nvidia-container-runtime-hook "
+              "on its PATH, only when it starts)",
+    "containerd": "systemctl restart containerd (it reads its configuration only when it starts)",
+    "crio": "systemctl restart crio (it reads its runtimes only when it starts)",
+}
+CRIO_HEADER = ("# Written by 'nvcontainer setup crio': the runtime 'nvidia' for GPU containers.\n"
+               "# 'nvcontainer setup crio --undo' removes it.\n")
 
 
 @dataclass(frozen=True)
-class WriteFile:
-    path: str
-    content: str
-    mode: int = 0o644
+class Options:
+    engine: str
+    served: bool = True                 # the served client, and the socket-activated server
+    cdi: bool = False
+    cdi_spec: str | None = None         # the generated spec, with --cdi
+    set_as_default: bool = False
+    hook: bool = False                  # crio: the hooks.d file instead of the runtime handler
+    deadline: float = 30.0              # the hook's own; hooks.d timeouts are longer
+    version: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
-class Link:
-    path: str
-    target: str
+class World:
+    """What the decision reads, as functions of a path (the prefix already applied)."""
+    read: Callable[[str], str | None]
+    expand: Callable[[str], list[str]]
+    on_path: Callable[[str], str | None]      # realpath of the first NAME on a service's PATH
+    units_packaged: bool = False
 
 
-@dataclass(frozen=True)
-class Steps:
-    files: tuple[WriteFile, ...] = ()
-    links: tuple[Link, ...] = ()
-    fragments: tuple[tuple[str, str], ...] = ()   # (where it goes, text to merge by hand)
-    notes: tuple[str, ...] = ()
-    builds: tuple[BuildClient, ...] = ()
+def world(prefix: str) -> World:
+    from .perform import at, current
 
+    def expand(pattern: str) -> list[str]:
+        return sorted("/" + os.path.relpath(p, at(prefix, "/")) for p in glob.glob(at(prefix, pattern)))
 
-@dataclass(frozen=True)
-class Served:
-    """How the hook is run when a resident ``nvcontainer serve`` does the work. ``native``: the
-    native client (``hookclient.c``, built by set-up), registered when there is one; else the
-    interpreter runs the client module as a script without ``site`` (builtin modules only, so it
-    starts about as fast as a bare interpreter). ``cli`` is the ``nvcontainer`` program the
-    service runs."""
-    python: str
-    client: str
-    cli: str
-    native: str | None = None
-
-    def entry(self) -> dict:
-        if self.native:
-            return {"path": self.native, "args": [self.native, "prestart"]}
-        return {"path": self.python, "args": [self.python, "-I", "-S", self.client, "prestart"]}
-
-
-@dataclass(frozen=True)
-class BuildClient:
-    """The native hook client, compiled on this node for this install's interpreter."""
-    path: str
-    python: str
-
-
-def hook_entry(hook_path: str, served: Served | None = None) -> dict:
-    return served.entry() if served else {"path": hook_path, "args": ["nvcontainer-hook", "prestart"]}
-
-
-def hook_json(hook_path: str, served: Served | None = None) -> str:
-    """An OCI hooks.d entry (version 1.0.0) that runs the hook for every container: the hook
-    itself decides, from the image's environment, whether there is anything to do."""
-    entry = {"version": "1.0.0", "hook": hook_entry(hook_path, served), "when": {"always": True},
-             "stages": ["prestart"]}
-    return json.dumps(entry, indent=2) + "\n"
-
-
-def unit_file(served: Served) -> str:
-    """A systemd service for ``nvcontainer serve``, started before the engines so that their first
-    containers are served (a hook that finds no server does the work itself, only slower)."""
-    return (
-        "[Unit]\n"
-        "Description=nvcontainer: container GPU hooks, run warm\n"
-        "Documentation=man:nvcontainer-serve(1)\n"
-        "Before=docker.service containerd.service crio.service podman.service\n"
-        "\n"
-        "[Service]\n"
-        f"Environment=PATH={DEFAULT_PATH}\n"
-        f"ExecStart={served.cli} serve --socket {SERVE_SOCKET}\n"
-        "Restart=on-failure\n"
-        "\n"
-        "[Install]\n"
-        "WantedBy=multi-user.target\n"
-    )
-
-
-def steps(engine: str, hook_path: str, bin_dir: str, cdi_spec: str | None = None,
-          served: Served | None = None) -> Steps:
-    """``hook_path``: the installed ``nvcontainer-hook``; ``bin_dir``: where the drop-in scripts
-    are installed; ``cdi_spec``: a generated CDI spec to install, if asked for; ``served``: also
-    install the ``nvcontainer serve`` service and register its client."""
-    if engine not in ENGINES:
-        raise NvcError("input", f"unknown engine '{escape(engine, 40)}' (one of {', '.join(ENGINES)})")
-    made = _steps(engine, hook_path, bin_dir, cdi_spec, served)
-    if not served:
-        return made
-    if served.native:
-        return replace(made, builds=(BuildClient(served.native, served.python),))
-    return replace(made, notes=(*made.notes, "the hook client registered is hookclient.py: no C compiler was found "
-                                             "to build the native one, which starts about 8 ms faster"))
-
-
-def _steps(engine: str, hook_path: str, bin_dir: str, cdi_spec: str | None, served: Served | None) -> Steps:
-    cdi = (WriteFile(CDI_SPEC, cdi_spec),) if cdi_spec is not None else ()
-    cdi_note = () if cdi_spec is not None else (f"for CDI devices, add --cdi (or run: {CDI_COMMAND})",)
-    service = (WriteFile(UNIT_PATH, unit_file(served)),) if served else ()
-    service_note = (f"start the server: systemctl daemon-reload && systemctl enable --now {UNIT_NAME}",) \
-        if served else ()
-    if engine == "runc":
-        fragment = json.dumps({"hooks": {"prestart": [hook_entry(hook_path, served)]}}, indent=2)
-        return Steps(files=service, fragments=((f"each bundle's config.json", fragment),),
-                     notes=("runc reads no configuration of its own: the hook is named in each bundle; "
-                            "the container's NVIDIA_VISIBLE_DEVICES selects its GPUs", *service_note))
-    if engine in ("podman", "crio"):
-        where = HOOKS_DIRS[engine]
-        notes = [f"{engine} runs the hook for every container; NVIDIA_VISIBLE_DEVICES selects the GPUs"]
-        if engine == "crio":
-            notes.append(f"CRI-O reads hooks from hooks_dir in crio.conf ({where} by default)")
-        return Steps(files=(WriteFile(f"{where}/{HOOK_FILE}", hook_json(hook_path, served)), *service, *cdi),
-                     notes=(*notes, *service_note, *cdi_note))
-    if engine == "docker":
-        link = Link(f"{PATH_DIR}/nvidia-container-runtime-hook", f"{bin_dir}/nvidia-container-runtime-hook")
-        fragment = json.dumps({"features": {"cdi": True}}, indent=2)
-        return Steps(files=(*service, *cdi), links=(link,), fragments=(("/etc/docker/daemon.json", fragment),),
-                     notes=("docker run --gpus runs nvidia-container-runtime-hook from PATH: no daemon change "
-                            "needed for --gpus (it hands its runs to nvcontainer serve when one listens)",
-                            "the daemon.json fragment (Docker 25+) enables --device nvidia.com/gpu=...; "
-                            "restart dockerd after merging it", *service_note, *cdi_note))
-    if served:
-        # containerd runs no hooks: CDI specs name `nvcontainer-hook` for their hooks, and those
-        # find the server by themselves; the service is still worth having
-        return Steps(files=(*service, *cdi), fragments=_CONTAINERD_FRAGMENTS,
-                     notes=(*_CONTAINERD_NOTES, *service_note, *cdi_note))
-    return Steps(files=cdi, fragments=_CONTAINERD_FRAGMENTS, notes=(*_CONTAINERD_NOTES, *cdi_note))
-
-
-_CONTAINERD_FRAGMENTS = (("/etc/containerd/config.toml (version 2)",
-                          '[plugins."io.containerd.grpc.v1.cri"]\n'
-                          "  enable_cdi = true\n"
-                          '  cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]'),)
-_CONTAINERD_NOTES = ("containerd runs no OCI hooks: GPUs reach its containers through CDI; restart "
-                     "containerd after merging the fragment",
-                     "Kubernetes: run the NVIDIA device plugin with DEVICE_LIST_STRATEGY=cdi-cri "
-                     "(see docs/engines/containerd-kubernetes.md)")
-
-
-# --- doing ---------------------------------------------------------------------------------
-
-
-def _at(prefix: str, path: str) -> str:
-    return os.path.join(prefix, path.lstrip("/"))
-
-
-def _current(path: str) -> str | None:
-    """The file's text; None if absent. A symlink or non-regular file is refused, not followed."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+    def on_path(name: str) -> str | None:
+        for d in DEFAULT_PATH.split(":"):
+            path = at(prefix, os.path.join(d, name))
+            if os.path.lexists(path):
+                return os.path.realpath(path)
         return None
-    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE:
-        raise NvcError("setup", f"{escape(path)}: not a regular file of at most {MAX_FILE} bytes; "
-                                "move it away first")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read(MAX_FILE)
+
+    packaged = os.path.exists(at(prefix, os.path.join(units.PACKAGE_DIR, units.SERVE_SOCKET)))
+    return World(read=lambda p: current(at(prefix, p)), expand=expand, on_path=on_path, units_packaged=packaged)
 
 
-def _diff(old: str | None, new: str, path: str) -> str:
-    lines = difflib.unified_diff((old or "").splitlines(True), new.splitlines(True),
-                                 "/dev/null" if old is None else path, path)
-    return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+def hooks_json(entry: dict) -> str:
+    """An OCI hooks.d file (schema 1.0.0) that runs the hook for every container: the hook itself
+    decides, from the image's environment, whether there is anything to do."""
+    doc = {"version": "1.0.0", "hook": entry, "when": {"always": True}, "stages": ["prestart"]}
+    return json.dumps(doc, indent=2) + "\n"
 
 
-def _write(path: str, content: str, mode: int) -> None:
-    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    tmp = f"{path}.nvcontainer-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        os.write(fd, content.encode())
-        os.fchmod(fd, mode)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
+def _runtime(inst: Install, builds: list) -> str:
+    runtime = inst.runtime
+    if runtime is None:
+        raise NvcError("setup", f"this installation has no {RUNTIME} (the runtime shim) and no C compiler to build "
+                                "it: install the nvcontainer package")
+    if not inst.runtime_ready:
+        builds.append(Build("runtime", runtime, inst.python))
+    return runtime
 
 
-def perform(s: Steps, *, prefix: str = "/", dry_run: bool = False, stamp: str = "") -> str:
-    """Show (``dry_run``) or make the steps under ``prefix``; the report, one item per paragraph.
-    ``stamp`` names backups (``PATH.bak-<stamp>``)."""
-    out: list[str] = []
-    try:
-        # First: a registration must never name a client that failed to build.
-        for b in s.builds:
-            out.append(_build(b, prefix, dry_run))
-        for f in s.files:
-            path = _at(prefix, f.path)
-            old = _current(path)
-            if old == f.content:
-                out.append(f"unchanged {f.path}\n")
-                continue
-            if dry_run:
-                out.append(f"would write {f.path}\n" + _diff(old, f.content, f.path))
-                continue
-            note = ""
-            if old is not None:
-                backup = f"{path}.bak-{stamp}"
-                _write(backup, old, stat.S_IMODE(os.lstat(path).st_mode))
-                note = f" (previous contents in {f.path}.bak-{stamp})"
-            _write(path, f.content, f.mode)
-            out.append(f"wrote {f.path}{note}\n" + _diff(old, f.content, f.path))
-        for link in s.links:
-            out.append(_link(link, prefix, dry_run, stamp))
-    except OSError as exc:
-        raise NvcError("setup", f"{escape(exc.filename or '')}: {exc.strerror}") from None
-    for where, text in s.fragments:
-        out.append(f"merge into {where}:\n" + "".join(f"    {line}\n" for line in text.splitlines()))
-    out += [f"note: {n}\n" for n in s.notes]
-    return "\n".join(out)
+def _on_path(name: str, inst: Install, w: World) -> tuple:
+    """A link that puts our ``name`` first on a service's PATH, unless it is there already."""
+    ours = inst.program(name)
+    if w.on_path(name) == os.path.realpath(ours):
+        return ()
+    return (Link(f"{LINK_DIR}/{name}", ours),)
 
 
-def _build(b: BuildClient, prefix: str, dry_run: bool) -> str:
-    from ..native import build as nativeclient
+def _docker(o: Options, inst: Install, w: World, builds: list) -> tuple[list, list]:
+    runtime = _runtime(inst, builds)
+    wanted: list = [(("runtimes", "nvidia"), {"path": runtime})]
+    if o.set_as_default:
+        wanted.append((("default-runtime",), "nvidia"))
+    if o.cdi:
+        wanted.append((("features", "cdi"), True))
+    old = w.read(DAEMON_JSON)
+    text, keys = jsonedit.set_keys(old, DAEMON_JSON, wanted)
+    if keys:
+        edit = [WriteFile(DAEMON_JSON, text, old=old, own=False, keys=keys)]
+    else:   # shown as unchanged
+        edit = [WriteFile(DAEMON_JSON, old, old=old, own=False)] if old is not None else []
+    notes = ["docker run --runtime=nvidia (or every container, with --set-as-default) goes through the runtime "
+             "shim; docker run --gpus runs nvidia-container-runtime-hook from dockerd's PATH"]
+    return [*_on_path("nvidia-container-runtime-hook", inst, w), *edit], notes
 
-    if dry_run:
-        return f"would build {b.path}: the native hook client (from {nativeclient.SOURCE})\n"
-    linked = nativeclient.build(_at(prefix, b.path), b.python)
-    return f"built {b.path}: the native hook client ({linked}; falls back to {b.python})\n"
+
+def _containerd(o: Options, inst: Install, w: World, builds: list) -> tuple[list, list]:
+    runtime = _runtime(inst, builds)
+    own, main = containerd.changes(w.read, w.expand, runtime, o.version, default=o.set_as_default, cdi=o.cdi)
+    notes = ["Kubernetes: a RuntimeClass with handler 'nvidia' (or --set-as-default) runs pods through the "
+             "runtime shim; ctr and nerdctl --gpus run nvidia-container-cli from PATH"]
+    if o.version is not None and o.version < (1, 7):
+        notes.append(f"containerd {versions.shown(o.version)}: the runtime handler is the Kubernetes route here "
+                     "(CDI in the CRI plugin needs 1.7)")
+    return [*_on_path("nvidia-container-cli", inst, w), own, *([main] if main else [])], notes
 
 
-def _link(link: Link, prefix: str, dry_run: bool, stamp: str) -> str:
-    path = _at(prefix, link.path)
-    try:
-        current = os.readlink(path)
-    except FileNotFoundError:
-        current = None
-    except OSError:   # a file or directory of the operator's: kept as a backup
-        current = ""
-    if current == link.target:
-        return f"unchanged {link.path} -> {link.target}\n"
-    verb = "would link" if dry_run else "linked"
-    moved = f" (replacing {'a file' if current == '' else 'a link to ' + current}, kept as " \
-            f"{link.path}.bak-{stamp})" if current is not None else ""
-    if not dry_run:
-        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-        if current is not None:
-            os.rename(path, f"{path}.bak-{stamp}")
-        os.symlink(link.target, path)
-    return f"{verb} {link.path} -> {link.target}{moved}\n"
+def _crio(o: Options, inst: Install, w: World, builds: list) -> tuple[list, list]:
+    runtime = _runtime(inst, builds)
+    doc: dict = {"crio": {"runtime": {"runtimes": {"nvidia": {"runtime_path": runtime, "runtime_type": "oci"}}}}}
+    if o.set_as_default:
+        doc["crio"]["runtime"]["default_runtime"] = "nvidia"
+    text = tomltext.dumps(doc, CRIO_HEADER)
+    return [WriteFile(CRIO_DROPIN, text, old=w.read(CRIO_DROPIN))], [
+        "Kubernetes: a RuntimeClass with handler 'nvidia' (or --set-as-default) runs pods through the runtime shim"]
+
+
+def _hooks_d(o: Options, entry: dict, w: World) -> tuple[list, list]:
+    path = f"{HOOKS_DIRS[o.engine]}/{HOOK_FILE}"
+    notes = [f"{o.engine} runs the hook for every container; NVIDIA_VISIBLE_DEVICES selects the GPUs"]
+    if o.engine == "crio":
+        notes.append(f"CRI-O reads hooks from hooks_dir in crio.conf ({HOOKS_DIRS['crio']} by default)")
+    return [WriteFile(path, hooks_json(entry), old=w.read(path))], notes
+
+
+def _served(o: Options, inst: Install, w: World) -> tuple[list, list, list]:
+    """The server's units (written here only for an installation without the package's) and
+    the systemctl calls that enable them."""
+    wanted = {units.SERVE_SOCKET, units.SERVE_SERVICE} if o.served else set()
+    if o.cdi:
+        wanted |= {units.REFRESH_SERVICE, units.REFRESH_PATH}
+    changes, calls = [], []
+    if wanted and not w.units_packaged:
+        for name, text in units.all_units(inst.program("nvcontainer")).items():
+            if name in wanted:
+                path = f"{units.LOCAL_DIR}/{name}"
+                changes.append(WriteFile(path, text, old=w.read(path)))
+        calls.append(Systemctl(("daemon-reload",)))
+    enable = [u for u in (units.SERVE_SOCKET, units.REFRESH_PATH) if u in wanted]
+    if enable:
+        calls.append(Systemctl(("enable", "--now", *enable)))
+    return changes, calls, []
+
+
+def check(o: Options) -> None:
+    """Refuse what cannot work, before anything is generated or read: one line, why."""
+    if o.engine not in ENGINES:
+        raise NvcError("input", f"unknown engine '{escape(o.engine, 40)}' (one of {', '.join(ENGINES)})")
+    if o.hook and o.engine != "crio":
+        raise NvcError("input", "--hook: only for crio (podman always uses its hooks.d file)")
+    if o.cdi:
+        problem = versions.lacks(o.engine, "cdi", o.version)
+        if problem:
+            raise NvcError("setup", f"--cdi: {problem}" + (
+                "; the runtime handler 'nvidia' (without --cdi) is the Kubernetes route here"
+                if o.engine == "containerd" else ""))
+    if o.set_as_default and o.engine not in ("docker", "containerd", "crio"):
+        raise NvcError("input", f"--set-as-default: {o.engine} has no default runtime to set")
+
+
+def steps(o: Options, inst: Install, w: World) -> Steps:
+    check(o)
+    builds: list[Build] = []
+    entry = hook_entry(inst, served=o.served, deadline=o.deadline)
+    if o.served and inst.native_client and not inst.client_ready:
+        builds.append(Build("client", inst.native_client, inst.python))
+    notes = []
+    if o.served and not inst.native_client:
+        notes.append("the hook client registered is the Python one: there is no native client here and no C "
+                     "compiler to build it (the package ships it); each start takes about 8 ms longer")
+    fragments: tuple = ()
+    if o.engine == "runc":
+        changes: list = []
+        fragments = (("each bundle's config.json", json.dumps({"hooks": {"prestart": [entry]}}, indent=2)),)
+        notes.append("runc reads no configuration of its own: the hook is named in each bundle; the container's "
+                     "NVIDIA_VISIBLE_DEVICES selects its GPUs")
+    elif o.engine == "podman" or (o.engine == "crio" and o.hook):
+        changes, more = _hooks_d(o, entry, w)
+        notes += more
+    else:
+        changes, more = {"docker": _docker, "containerd": _containerd, "crio": _crio}[o.engine](o, inst, w, builds)
+        notes += more
+    unit_changes, calls, _ = _served(o, inst, w)
+    cdi = [WriteFile(CDI_SPEC, o.cdi_spec, old=w.read(CDI_SPEC))] if o.cdi_spec is not None else []
+    if not o.cdi:
+        notes.append(f"for CDI devices, add --cdi (or run: nvcontainer cdi generate --output {CDI_SPEC})")
+    # ours first, the operator's files last: a failure half-way leaves them as they were
+    ordered = sorted([*changes, *unit_changes, *cdi], key=lambda c: isinstance(c, WriteFile) and not c.own)
+    return Steps(engine=o.engine, changes=tuple(ordered), builds=tuple(builds), systemctl=tuple(calls),
+                 fragments=fragments, notes=tuple(notes), restart=RESTART.get(o.engine, ""))
+
+
+def undo(engine: str, entries: list[dict], w: World) -> Steps:
+    """Take back what the record says setup did, where it is still as setup left it."""
+    changes, notes = [], []
+    for e in reversed(entries):
+        if "link" in e:
+            changes.append(Unlink(e["link"], e["target"], e.get("backup")))
+            continue
+        path, now = e["file"], w.read(e["file"])
+        if now is None:
+            notes.append(f"{path} is gone already")
+            continue
+        exact = records.digest(now) == e.get("wrote")
+        backup = e.get("backup") if e.get("backup") and w.read(e["backup"]) is not None else None
+        if exact and (backup or e.get("created")):
+            changes.append(RemoveFile(path, now, restore=backup))
+        elif e.get("own"):
+            notes.append(f"left {path}: changed since setup wrote it")
+        elif e.get("keys"):
+            text, left = jsonedit.unset_keys(now, path, e["keys"])
+            changes.append(WriteFile(path, text, old=now, own=False))
+            notes += [f"left {key} in {path}: changed since setup set it" for key in left]
+        elif e.get("imports"):
+            changes.append(WriteFile(path, tomltext.remove_import(now, e["imports"], path), old=now, own=False))
+    if not entries:
+        notes.append(f"nothing to undo: setup has no record of changing {engine}")
+    return Steps(engine=engine, changes=tuple(changes), notes=tuple(notes), restart=RESTART.get(engine, ""),
+                 undo=True)
+
