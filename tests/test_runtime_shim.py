@@ -451,7 +451,8 @@ def test_prepare_edits_the_bundle(two, tmp_path):
     assert res.stdout == f"{runc}\n"
     spec = json.loads((b / "config.json").read_text())
     assert spec["hooks"]["prestart"] == [{"path": str(hook), "args": ["my-hook", "--config", cfg, "prestart"],
-                                          "env": [f"PATH={lowlevel.SAFE_PATH}"], "timeout": 60}]
+                                          "env": [f"PATH={lowlevel.SAFE_PATH}"],
+                                          "timeout": int(Config().deadline) + legacy.TIMEOUT_MARGIN}]
     assert "/dev/nvidia0" in [d["path"] for d in spec["linux"]["devices"]]
 
 

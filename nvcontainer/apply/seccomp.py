@@ -42,8 +42,12 @@ _COMMON = (
     "execve", "execveat", "set_tid_address", "set_robust_list", "rseq", "prlimit64", "getrandom",
     "futex", "sysinfo", "uname", "getpid", "gettid", "tgkill", "rt_sigaction", "rt_sigprocmask",
     "rt_sigreturn", "exit", "exit_group", "clock_gettime", "gettimeofday",
+    # harmless queries and waits a stand-in or a future ldconfig may make (identity, sleeping,
+    # access checks): they change nothing and reach nothing the calls above do not
+    "getuid", "geteuid", "getgid", "getegid", "nanosleep", "clock_nanosleep", "faccessat", "faccessat2",
 )
-_X86_64_ONLY = ("open", "stat", "lstat", "rename", "mkdir", "unlink", "symlink", "readlink", "chmod", "arch_prctl")
+_X86_64_ONLY = ("open", "stat", "lstat", "rename", "mkdir", "unlink", "symlink", "readlink", "chmod", "arch_prctl",
+                "access")
 SYSCALLS = {
     "x86_64": {
         "read": 0, "write": 1, "open": 2, "close": 3, "stat": 4, "fstat": 5, "lstat": 6, "lseek": 8,
@@ -56,6 +60,8 @@ SYSCALLS = {
         "openat": 257, "mkdirat": 258, "newfstatat": 262, "unlinkat": 263, "renameat": 264,
         "symlinkat": 266, "readlinkat": 267, "fchmodat": 268, "set_robust_list": 273, "prlimit64": 302,
         "renameat2": 316, "getrandom": 318, "execveat": 322, "statx": 332, "rseq": 334,
+        "access": 21, "nanosleep": 35, "getuid": 102, "getgid": 104, "geteuid": 107, "getegid": 108,
+        "clock_nanosleep": 230, "faccessat": 269, "faccessat2": 439,
     },
     "aarch64": {
         "getcwd": 17, "fcntl": 25, "mkdirat": 34, "unlinkat": 35, "symlinkat": 36, "renameat": 38,
@@ -67,6 +73,8 @@ SYSCALLS = {
         "gettid": 178, "sysinfo": 179, "brk": 214, "munmap": 215, "mremap": 216, "execve": 221,
         "mmap": 222, "mprotect": 226, "madvise": 233, "prlimit64": 261, "renameat2": 276,
         "getrandom": 278, "execveat": 281, "statx": 291, "rseq": 293,
+        "faccessat": 48, "nanosleep": 101, "clock_nanosleep": 115, "getuid": 174, "geteuid": 175,
+        "getgid": 176, "getegid": 177, "faccessat2": 439,
     },
 }
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
