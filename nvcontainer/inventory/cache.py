@@ -413,7 +413,7 @@ def valid_facts(entry: dict | None, inputs: dict, machine: dict) -> dict | None:
 
 _GPU_FACTS = {"index": int, "minor": int, "name": str, "brand": int, "uuid": str, "bus": list, "cc": list,
               "mig_capable": bool, "mig_enabled": bool, "migs": list}
-_MIG_FACTS = {"index": int, "uuid": str, "gi": int, "ci": int}
+_MIG_FACTS = {"index": int, "uuid": str, "name": str, "gi": int, "ci": int}
 
 
 def facts_ok(facts) -> bool:
