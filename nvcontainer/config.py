@@ -36,6 +36,9 @@ driver-volume-dir                                          "/var/lib/nvcontainer
 allowed-devices                                            unset: every device   the GPUs and MIG devices this node
                                                                                  may hand out (device tokens, comma
                                                                                  list or array); "all": every device
+[device-plugin]                                            unset                 `nvcontainer device-plugin`'s table,
+                                                                                 kept raw here and checked by
+                                                                                 nvcontainer.deviceplugin.settings
 
 ``cuda-compat-mode = "ldconfig"`` makes the image's ``/usr/local/cuda/compat`` libraries visible
 with an ``/etc/ld.so.conf.d`` drop-in inside the container, when they are newer than the host
@@ -49,7 +52,7 @@ import errno
 import os
 import re
 import stat
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .errors import NvcError, escape
 from .fs.bounded import read_at_most
@@ -84,6 +87,7 @@ class Config:
     cache_dir: str = "/run/nvcontainer"
     driver_volume_dir: str = "/var/lib/nvcontainer/volumes"
     allowed_devices: tuple[str, ...] | None = None
+    device_plugin: dict | None = field(default=None, hash=False)   # raw [device-plugin] table
 
     def with_overrides(self, *, root: str | None = None, ldcache: str | None = None,
                        debug: str | None = None, user: str | None = None) -> "Config":
@@ -213,6 +217,12 @@ def _device_tokens(value: object, key: str) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(tokens))
 
 
+def _table(value: object, key: str) -> dict:
+    if not isinstance(value, dict):
+        raise _bad(key, value, "a table")
+    return value
+
+
 # TOML key -> (Config field, validator)
 _KEYS = {
     "root": ("root", _absolute),
@@ -231,6 +241,7 @@ _KEYS = {
     "cache-dir": ("cache_dir", _absolute),
     "driver-volume-dir": ("driver_volume_dir", _absolute),
     "allowed-devices": ("allowed_devices", _device_tokens),
+    "device-plugin": ("device_plugin", _table),
 }
 
 
