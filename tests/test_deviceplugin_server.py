@@ -122,6 +122,8 @@ def test_registers_lists_prefers_and_allocates(fake_machine_factory, tmp_path, s
                 pb.ContainerAllocateRequest(devices_ids=ids[:2]), pb.ContainerAllocateRequest(devices_ids=ids[-1:])]))
             assert [dict(c.envs) for c in got.container_responses] == [
                 {"NVIDIA_VISIBLE_DEVICES": ",".join(ids[:2])}, {"NVIDIA_VISIBLE_DEVICES": ids[-1]}]
+            assert stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=ids[:1])) == \
+                pb.PreStartContainerResponse()
         assert plugin.stderr().count("registered") == 1
 
 
@@ -135,16 +137,18 @@ STRATEGIES = {
 }
 
 
+@pytest.mark.parametrize("gpus", [2, 8])
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_allocate_under_each_strategy(fake_machine_factory, tmp_path, strategy):
-    machine = fake_machine_factory(FakeSpec(gpus=8))
+def test_allocate_under_each_strategy(fake_machine_factory, tmp_path, strategy, gpus):
+    machine = fake_machine_factory(FakeSpec(gpus=gpus))
     uuids = [g["uuid"] for g in machine.description()["gpus"]]
+    wanted = [uuids[-1], uuids[gpus // 4]]
     with serving(machine, tmp_path, {"device-list-strategy": [strategy]}) as (kubelet, _):
         (reg,) = kubelet.wait_registered(1)
         got = kubelet.plugin(reg.endpoint).Allocate(pb.AllocateRequest(container_requests=[
-            pb.ContainerAllocateRequest(devices_ids=[uuids[6], uuids[2]])]))
+            pb.ContainerAllocateRequest(devices_ids=wanted)]))
         (c,) = got.container_responses
-        envs, mounts, annotations, cdi = STRATEGIES[strategy]([uuids[6], uuids[2]], "nvidia.com/gpu")
+        envs, mounts, annotations, cdi = STRATEGIES[strategy](wanted, "nvidia.com/gpu")
         assert dict(c.envs) == envs
         assert [(m.container_path, m.host_path, m.read_only) for m in c.mounts] == mounts
         assert list(c.annotations.values()) == list(annotations.values())
@@ -425,3 +429,12 @@ def test_only_the_socket_it_bound_is_removed(tmp_path):
         assert (directory / "p.sock").is_symlink()
     finally:
         os.close(dirfd)
+
+
+def test_a_thousand_allocates_from_eight_clients(fake_machine_factory, tmp_path):
+    """The benchmark's run (benchmarks/deviceplugin.py) as a test: every call answered, none in error."""
+    from benchmarks.deviceplugin import measure
+
+    result = measure(fake_machine_factory(FakeSpec(gpus=8)), tmp_path, calls=1000, clients=8)
+    assert (result["calls"], result["errors"]) == (1000, 0), result["error_samples"]
+    assert result["latency_ms"]["p99"] < 1000
