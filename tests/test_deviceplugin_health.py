@@ -232,3 +232,16 @@ def test_monitor_applies_events_and_ignores_malformed_ones(quick_backoff):
     mon, published, said = run_monitor(script + ['{"ev":"beat","lost":[]}', 0.05] * 3, 0.4)
     assert {u: "XID 79"} in published
     assert {u: "XID 79", PLAIN8.gpus[1].uuid: "GPU is lost"} in published
+
+
+def test_a_gpu_lost_before_the_watcher_starts_is_lost_in_every_beat(machine8):
+    uuids = [g["uuid"] for g in machine8.description()["gpus"]]
+    set_driver_state(machine8, "gpu4.lost=1")
+    w = Watcher(machine8)
+    try:
+        ready = w.next("ready")
+        assert list(ready["unwatched"]) == [uuids[4]]
+        assert w.next("beat")["lost"] == [uuids[4]]
+        assert w.next("beat")["lost"] == [uuids[4]]
+    finally:
+        w.close()

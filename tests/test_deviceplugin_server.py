@@ -438,3 +438,25 @@ def test_a_thousand_allocates_from_eight_clients(fake_machine_factory, tmp_path)
     result = measure(fake_machine_factory(FakeSpec(gpus=8)), tmp_path, calls=1000, clients=8)
     assert (result["calls"], result["errors"]) == (1000, 0), result["error_samples"]
     assert result["latency_ms"]["p99"] < 1000
+
+
+def test_a_socket_that_replaced_ours_survives_its_exit(fake_machine_factory, tmp_path):
+    """Someone else's socket at our name (a newer plugin after a kubelet restart, say) is never
+    removed: not by our SIGTERM, and not by gRPC, which unlinks the path it bound on stop."""
+    machine = fake_machine_factory(FakeSpec(gpus=2))
+    with serving(machine, tmp_path, expect_exit=True) as (kubelet, plugin):
+        (reg,) = kubelet.wait_registered(1)
+        path = kubelet.directory / reg.endpoint
+        os.unlink(path)
+        other = socket.socket(socket.AF_UNIX)
+        other.bind(str(path))
+        other.listen()
+        theirs = os.stat(path)
+        plugin.proc.send_signal(15)
+        assert plugin.proc.wait(30) in (0, 1)     # 1 if it saw the stranger first and refused it
+    try:
+        now = os.stat(path)
+        assert path.is_socket() and (now.st_ino, now.st_ctime_ns) == (theirs.st_ino, theirs.st_ctime_ns)
+        assert [p.name for p in kubelet.directory.iterdir() if p.name.startswith(".")] == []
+    finally:
+        other.close()

@@ -59,13 +59,20 @@ class Endpoint:
 
     async def start(self) -> None:
         sockets.clear(self.dirfd, self.name, self.reporter.say)
+        sockets.clear_staged(self.dirfd, self.name)
+        staged = sockets.staging_name(self.name)
         server = grpc.aio.server(options=SERVER_OPTIONS)
         server.add_generic_rpc_handlers((DevicePluginService(self.state, self.resource, self.reporter.say).handler(),))
         try:
-            server.add_insecure_port(sockets.address(self.dirfd, self.name))
+            server.add_insecure_port(sockets.address(self.dirfd, staged))
         except RuntimeError as exc:
             raise NvcError("input", f"cannot listen on {escape(self.name)}: {escape(exc)}") from None
         await server.start()
+        try:
+            sockets.publish(self.dirfd, staged, self.name)
+        except NvcError:
+            await server.stop(0)
+            raise
         self.server = server
         self.ours = sockets.identity(self.dirfd, self.name)
         log.info(f"serving {self.resource.name} on {self.name} ({len(self.resource.devices)} devices)")

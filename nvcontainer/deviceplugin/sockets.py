@@ -12,7 +12,10 @@ or a symlink someone planted to make a root process create or delete something e
 * a name we are about to bind is looked at with ``lstat``: a live socket means another plugin
   instance is serving and is an error; a dead socket, a symlink or a regular file there is
   removed itself (``unlink`` never follows a symlink); anything else is refused;
-* after binding, the socket's identity (inode and change time) is recorded, and on exit only
+* the socket is bound under a fresh hidden name and then renamed to its own without replacing
+  anything (``RENAME_NOREPLACE``): gRPC unlinks the path it bound when the server stops, and
+  that path then no longer names anything;
+* after publishing, the socket's identity (inode and change time) is recorded, and on exit only
   that socket is removed: one the kubelet (or a newer instance of this plugin) put there is
   left alone.
 """
@@ -20,10 +23,12 @@ or a symlink someone planted to make a root process create or delete something e
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import stat
 
 from ..errors import NvcError, escape
+from ..fs.syscalls import RENAME_NOREPLACE, renameat2
 
 PROBE_TIMEOUT = 0.5
 
@@ -77,6 +82,35 @@ def clear(dirfd: int, name: str, warn) -> None:
         os.unlink(name, dir_fd=dirfd)
     except FileNotFoundError:
         pass
+
+
+def staging_name(name: str) -> str:
+    """A fresh hidden name to bind ``name``'s socket under before :func:`publish`."""
+    return f".{name}.{secrets.token_hex(8)}"
+
+
+def publish(dirfd: int, staged: str, name: str) -> None:
+    """Give the socket bound as ``staged`` its name, unless something took the name meanwhile."""
+    try:
+        renameat2(dirfd, staged, dirfd, name, RENAME_NOREPLACE)
+    except OSError as exc:
+        try:
+            os.unlink(staged, dir_fd=dirfd)
+        except OSError:
+            pass
+        raise NvcError("input", f"{escape(name)}: cannot be created ({exc.strerror})") from None
+
+
+def clear_staged(dirfd: int, name: str) -> None:
+    """Remove hidden sockets an earlier run of ours bound as ``name`` and never renamed (it was
+    killed in between), if nothing answers on them."""
+    prefix = f".{name}."
+    for entry in os.listdir(dirfd):
+        if entry.startswith(prefix) and identity(dirfd, entry) is not None and not _answers(dirfd, entry):
+            try:
+                os.unlink(entry, dir_fd=dirfd)
+            except OSError:
+                pass
 
 
 def remove_if_ours(dirfd: int, name: str, ours) -> bool:

@@ -16,7 +16,7 @@ that path, registers every GPU for NVML's events and writes one JSON object per 
 * ``{"ev": "topology", "nvlink": [[uuid, uuid, links]], "pcie": [[uuid, uuid, level]]}`` once;
 * ``{"ev": "event", "gpu": uuid, "type": n, "data": n, "gi": n, "ci": n}`` for each NVML event;
 * ``{"ev": "beat", "lost": [uuid, ...]}`` every ``interval``: it is alive, and these GPUs did not
-  answer a query;
+  answer a query (or NVML could not find them when it started);
 * ``{"ev": "error", "why": text}`` before it exits on an NVML failure.
 
 It decides nothing: which events matter is the plugin's business (``health.py``).
@@ -89,11 +89,13 @@ def _watch(library: str, uuids: list[str], user, interval: float) -> int:
     nv.nvmlInit()
     handles = {}
     unwatched = {}
+    missing = []          # GPUs NVML cannot find (lost before we started): lost in every beat
     for uuid in uuids:
         try:
             handles[uuid] = nv.nvmlDeviceGetHandleByUUID(uuid)
         except nv.NVMLError as exc:
             unwatched[uuid] = str(exc)
+            missing.append(uuid)
     events = nv.nvmlEventSetCreate()
     for uuid, handle in handles.items():
         try:
@@ -109,7 +111,7 @@ def _watch(library: str, uuids: list[str], user, interval: float) -> int:
     while True:
         now = time.monotonic()
         if now - last_beat >= interval:
-            _emit({"ev": "beat", "lost": _lost(nv, handles)})
+            _emit({"ev": "beat", "lost": missing + _lost(nv, handles)})
             last_beat = now
         try:
             data = nv.nvmlEventSetWait_v2(events, max(10, min(wait_ms, int((last_beat + interval - now) * 1000))))
