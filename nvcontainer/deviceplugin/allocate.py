@@ -14,7 +14,8 @@ The response tells the runtime which GPUs the container has, in the ways NVIDIA'
   ``NVIDIA_VISIBLE_DEVICES`` pointing there, which an image cannot forge (the hook needs
   ``accept-nvidia-visible-devices-as-volume-mounts = true``);
 * ``cdi-annotations``: ``cdi.k8s.io/…`` annotations naming CDI devices, for CRI-O and containerd;
-* ``cdi-cri``: the CRI's own ``CDIDevices`` field (Kubernetes ≥ 1.28, containerd 2, CRI-O).
+* ``cdi-cri``: the CRI's own ``CDIDevices`` field (the kubelet from 1.29, or 1.28 with its feature
+  gate; containerd 2, CRI-O).
 
 Time-sliced replicas ``<id>::<k>`` name the same GPU; the container is given each GPU once.
 """
