@@ -32,7 +32,7 @@ from dataclasses import replace
 
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
-from . import toolkit
+from . import toolkit, values
 from .model import Config
 
 DEFAULT_PATH = "/etc/nvcontainer/config.toml"
@@ -67,6 +67,11 @@ class _Reader:
             path = f"{table}.{key}" if table else key
             if key in toolkit.TABLES.get(table, {}):
                 self.take(table, key, value)
+            elif not table and key in toolkit.RAW:
+                if not isinstance(value, dict):
+                    raise values.bad(key, value, "a table")
+                self.values[toolkit.RAW[key]] = value
+                self.named[toolkit.RAW[key]] = key
             elif key in toolkit.INERT.get(table, {}):
                 self.inert.append(f"{toolkit.where(table, key)} = {_shown(value)}: no effect here "
                                   f"({toolkit.INERT[table][key]})")

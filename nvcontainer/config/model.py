@@ -31,6 +31,7 @@ class Config:
     cache_dir: str = "/run/nvcontainer"
     driver_volume_dir: str = "/var/lib/nvcontainer/volumes"
     allowed_devices: tuple[str, ...] | None = None
+    device_plugin: dict | None = field(default=None, hash=False)   # raw [device-plugin] table
     # the runtime shim (nvidia-container-runtime)
     runtime_debug: str | None = None
     runtimes: tuple[str, ...] = ("runc", "crun")

@@ -67,6 +67,11 @@ TABLES: dict[str, dict[str, tuple]] = {
     },
 }
 
+# Tables kept raw for the room that owns them, which checks them key by key (the device plugin's
+# settings: :mod:`nvcontainer.deviceplugin.settings`): the hook reads this file on every start and
+# must neither pay for nor fail on settings it never uses.
+RAW: dict[str, str] = {"device-plugin": "device_plugin"}
+
 # Upstream's keys that change nothing here, and why (said whenever one is set).
 INERT: dict[str, dict[str, str]] = {
     "nvidia-container-cli": {
@@ -146,6 +151,11 @@ def render(config) -> str:
                 lines.append(f"# {key} is unset ({UNSET[name]})  # from: {origin}")
             else:
                 lines.append(f"{key} = {_toml(value)}  # from: {origin}")
+    for table, name in RAW.items():
+        raw = getattr(config, name)
+        if raw is not None:
+            lines += ["", f"[{table}]  # from: {config.origin(name)}; checked by the command that uses it"]
+            lines += [f"{key} = {_toml(value)}" for key, value in raw.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -145,6 +145,7 @@ def _gpu(g: dict, root: str, proc: str, caps_major: int | None) -> Gpu:
             ci_access=ci_access,
             gi_cap=devices.cap_node(root, caps_major, procfs.cap_minor(proc, gi_access)),
             ci_cap=devices.cap_node(root, caps_major, procfs.cap_minor(proc, ci_access)),
+            name=m["name"],
         ))
     return Gpu(
         index=g["index"],

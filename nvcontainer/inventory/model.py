@@ -38,6 +38,7 @@ class MigDevice:
     ci_access: str       # .../gi<G>/ci<C>/access
     gi_cap: DeviceNode | None = None   # /dev/nvidia-caps/nvidia-capN behind gi_access
     ci_cap: DeviceNode | None = None
+    name: str = ""       # as NVML names it: "<GPU model> MIG <profile>" (the device plugin's resource)
 
 
 @dataclass(frozen=True)

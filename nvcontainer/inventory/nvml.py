@@ -179,6 +179,7 @@ def _migs(nv, h) -> list[dict]:
         migs.append({
             "index": len(migs),
             "uuid": _text(nv.nvmlDeviceGetUUID(m)),
+            "name": _text(nv.nvmlDeviceGetName(m)),
             "gi": nv.nvmlDeviceGetGpuInstanceId(m),
             "ci": nv.nvmlDeviceGetComputeInstanceId(m),
         })

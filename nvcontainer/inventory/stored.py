@@ -70,7 +70,7 @@ def _makechecker(ann: str):
 
 _GPU_FACTS = {"index": int, "minor": int, "name": str, "brand": int, "uuid": str, "bus": list, "cc": list,
               "mig_capable": bool, "mig_enabled": bool, "migs": list}
-_MIG_FACTS = {"index": int, "uuid": str, "gi": int, "ci": int}
+_MIG_FACTS = {"index": int, "uuid": str, "name": str, "gi": int, "ci": int}
 
 
 def facts_ok(facts) -> bool:

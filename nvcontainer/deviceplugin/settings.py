@@ -1,0 +1,198 @@
+"""The ``[device-plugin]`` table of the config file, checked into :class:`Settings`. Pure.
+
+Why a table of its own, parsed here rather than in ``config.py``: the hook reads the config file
+on every container start and must not pay for (or fail on) settings it never uses, and the
+plugin's settings change with the plugin. ``config.py`` only accepts the table and keeps it as
+raw TOML data; this module is as strict with it as ``config.py`` is with the rest: an unknown
+key or a value of the wrong type is an error naming the key (a misspelt ``mig-strategy`` must
+not silently advertise whole GPUs on a MIG node).
+
+Key (TOML)                          Default                            Meaning
+socket-dir                          "/var/lib/kubelet/device-plugins"  where kubelet.sock is and ours go
+mig-strategy                        "none"                             none, single or mixed
+device-id-strategy                  "uuid"                             IDs and NVIDIA_VISIBLE_DEVICES by
+                                                                       uuid or index
+device-list-strategy                ["envvar"]                         how Allocate names the devices:
+                                                                       envvar, volume-mounts,
+                                                                       cdi-annotations, cdi-cri
+cdi-kind                            "nvidia.com/gpu"                   vendor/class of the CDI names
+                                                                       (as `cdi generate` was given)
+cdi-annotation-prefix               "cdi.k8s.io/"                      annotation key prefix
+replicas                            1                                  time-slicing: IDs per device
+rename-shared                       false                              with replicas: advertise
+                                                                       <resource>.shared
+fail-requests-greater-than-one      false                              with replicas: refuse requests
+                                                                       for more than one
+health-checks                       true                               watch NVML events
+ignore-xids                         []                                 more XIDs that leave a GPU healthy
+xid-recovery-seconds                0                                  a GPU unhealthy after a critical
+                                                                       XID is healthy again after this
+                                                                       long without one; 0: never
+heartbeat-seconds                   0.5                                the health watcher's beat
+heartbeat-timeout-seconds           5                                  no beat this long: the driver
+                                                                       stopped answering
+sysfs                               "/sys"                             where the GPUs' NUMA nodes are read
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from ..errors import NvcError, escape
+
+MIG_STRATEGIES = ("none", "single", "mixed")
+ID_STRATEGIES = ("uuid", "index")
+LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
+MAX_REPLICAS = 64
+MAX_XIDS = 256
+DEFAULT_SOCKET_DIR = "/var/lib/kubelet/device-plugins"
+
+_KIND = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}/[A-Za-z][A-Za-z0-9_.-]{0,62}")
+# a DNS subdomain and a slash: what may stand before an annotation's name
+_PREFIX = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/")
+
+
+@dataclass(frozen=True)
+class Settings:
+    socket_dir: str = DEFAULT_SOCKET_DIR
+    mig_strategy: str = "none"
+    device_id_strategy: str = "uuid"
+    device_list_strategy: tuple[str, ...] = ("envvar",)
+    cdi_kind: str = "nvidia.com/gpu"
+    cdi_annotation_prefix: str = "cdi.k8s.io/"
+    replicas: int = 1
+    rename_shared: bool = False
+    fail_requests_greater_than_one: bool = False
+    health_checks: bool = True
+    ignore_xids: tuple[int, ...] = ()
+    xid_recovery_seconds: float = 0
+    heartbeat_seconds: float = 0.5
+    heartbeat_timeout_seconds: float = 5
+    sysfs: str = "/sys"
+
+    def with_overrides(self, **changes) -> "Settings":
+        """These settings with the command line's options that were given (not None), checked
+        as the same keys in the file would be."""
+        given = {k: v for k, v in changes.items() if v is not None}
+        raw = {field.replace("_", "-"): value for field, value in given.items()}
+        if "device-list-strategy" in raw:
+            raw["device-list-strategy"] = list(raw["device-list-strategy"])
+        return check(replace(self, **_checked(raw, "command line")))
+
+
+def _bad(key: str, value: object, want: str) -> NvcError:
+    return NvcError("config", f"device-plugin.{key}: expected {want}, got {escape(repr(value), 80)}")
+
+
+def _choice(choices):
+    def check(value, key):
+        if value not in choices:
+            raise _bad(key, value, " or ".join(repr(c) for c in choices))
+        return value
+    return check
+
+
+def _absolute(value, key):
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value or len(value) > 200:
+        raise _bad(key, value, "an absolute path (at most 200 characters)")
+    return value.rstrip("/") or "/"
+
+
+def _bool(value, key):
+    if not isinstance(value, bool):
+        raise _bad(key, value, "true or false")
+    return value
+
+
+def _number(low: float, high: float):
+    def check(value, key):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise _bad(key, value, f"a number from {low} to {high}")
+        return value
+    return check
+
+
+def _replicas(value, key):
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REPLICAS:
+        raise _bad(key, value, f"a whole number from 1 to {MAX_REPLICAS}")
+    return value
+
+
+def _strategies(value, key):
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise _bad(key, value, "a comma-separated string or an array of strings")
+    items = [i.strip() for i in items if i.strip()]
+    unknown = [i for i in items if i not in LIST_STRATEGIES]
+    if unknown or not items:
+        raise _bad(key, value, "some of " + ", ".join(LIST_STRATEGIES))
+    return tuple(dict.fromkeys(items))
+
+
+def _kind(value, key):
+    if not isinstance(value, str) or not _KIND.fullmatch(value):
+        raise _bad(key, value, "a CDI kind, vendor/class (e.g. nvidia.com/gpu)")
+    return value
+
+
+def _prefix(value, key):
+    if not isinstance(value, str) or not _PREFIX.fullmatch(value):
+        raise _bad(key, value, "a DNS subdomain followed by '/' (e.g. cdi.k8s.io/)")
+    return value
+
+
+def _xids(value, key):
+    if (not isinstance(value, list) or len(value) > MAX_XIDS
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 32 for v in value)):
+        raise _bad(key, value, f"an array of at most {MAX_XIDS} XID numbers")
+    return tuple(sorted(set(value)))
+
+
+_KEYS = {
+    "socket-dir": ("socket_dir", _absolute),
+    "mig-strategy": ("mig_strategy", _choice(MIG_STRATEGIES)),
+    "device-id-strategy": ("device_id_strategy", _choice(ID_STRATEGIES)),
+    "device-list-strategy": ("device_list_strategy", _strategies),
+    "cdi-kind": ("cdi_kind", _kind),
+    "cdi-annotation-prefix": ("cdi_annotation_prefix", _prefix),
+    "replicas": ("replicas", _replicas),
+    "rename-shared": ("rename_shared", _bool),
+    "fail-requests-greater-than-one": ("fail_requests_greater_than_one", _bool),
+    "health-checks": ("health_checks", _bool),
+    "ignore-xids": ("ignore_xids", _xids),
+    "xid-recovery-seconds": ("xid_recovery_seconds", _number(0, 86400)),
+    "heartbeat-seconds": ("heartbeat_seconds", _number(0.05, 60)),
+    "heartbeat-timeout-seconds": ("heartbeat_timeout_seconds", _number(0.2, 600)),
+    "sysfs": ("sysfs", _absolute),
+}
+
+KEYS = tuple(_KEYS)
+
+
+def _checked(raw: dict, source: str) -> dict:
+    values = {}
+    for key, value in raw.items():
+        if key not in _KEYS:
+            raise NvcError("config", f"{escape(source)}: unknown key 'device-plugin.{escape(key, 80)}'")
+        name, check = _KEYS[key]
+        values[name] = check(value, key)
+    return values
+
+
+def parse(raw: dict | None, source: str = "config") -> Settings:
+    """``raw``: the ``[device-plugin]`` table as tomllib gave it (None: no table)."""
+    if raw is None:
+        return Settings()
+    if not isinstance(raw, dict):
+        raise NvcError("config", f"{escape(source)}: device-plugin must be a table")
+    settings = Settings(**_checked(raw, source))
+    return check(settings)
+
+
+def check(settings: Settings) -> Settings:
+    """What no single key can say wrong: a beat that outlives its own timeout."""
+    if settings.heartbeat_timeout_seconds <= 2 * settings.heartbeat_seconds:
+        raise NvcError("config", "device-plugin.heartbeat-timeout-seconds must be more than twice "
+                                 "heartbeat-seconds")
+    return settings

@@ -1,0 +1,64 @@
+"""The device plugin's documentation describes the code as it is: every option of
+``nvcontainer device-plugin --help`` and every ``[device-plugin]`` key is in its man page, the
+DaemonSet manifest in docs/engines/kubernetes.md is the file in deploy/, and the configuration
+it carries is one the plugin accepts."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nvcontainer.config import load as config
+from nvcontainer.deviceplugin import settings
+from tests.test_docs import assert_documented, help_options, mentions, section
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "man" / "nvcontainer-device-plugin.1"
+MANIFEST = ROOT / "deploy" / "kubernetes" / "nvcontainer-device-plugin.yaml"
+GUIDE = ROOT / "docs" / "engines" / "kubernetes.md"
+
+
+def test_every_option_is_in_the_options_section():
+    text = section(PAGE.read_text(), ".SH OPTIONS")
+    assert_documented(help_options("device-plugin"), text, "man/nvcontainer-device-plugin.1 (OPTIONS)")
+
+
+def test_every_setting_is_documented_and_nothing_else():
+    text = section(PAGE.read_text(), ".SH SETTINGS")
+    documented = {m.replace("\\-", "-") for m in re.findall(r"^\\fB([a-z\\-]+)\\fR = ", text, re.M)}
+    assert documented == set(settings.KEYS)
+    toml_page = (ROOT / "man" / "nvcontainer.toml.5").read_text()
+    for key in settings.KEYS:
+        assert mentions(toml_page, key), f"{key} is not listed in nvcontainer.toml(5)"
+        assert f"`{key}`" in GUIDE.read_text(), f"{key} is not in docs/engines/kubernetes.md"
+
+
+def test_the_guide_shows_the_manifest_file():
+    manifest = MANIFEST.read_text()
+    assert f"```yaml\n{manifest}```" in GUIDE.read_text()
+
+
+def test_the_manifest_s_configuration_is_accepted():
+    text = MANIFEST.read_text()
+    block = re.search(r"  config.toml: \|\n((?:    .*\n|\n)+)", text).group(1)
+    toml = "\n".join(line[4:] for line in block.splitlines())
+    cfg = config.parse(toml, "manifest")
+    dp = settings.parse(cfg.device_plugin)
+    assert cfg.root == "/host" and dp.device_list_strategy == ("cdi-cri", "cdi-annotations")
+    command = re.search(r"command: (\[.*\])", text).group(1)
+    assert "device-plugin" in command and "--config" in command
+    for path in ("/var/lib/kubelet/device-plugins", "/etc/nvcontainer-device-plugin", "/run/nvcontainer", "/host"):
+        assert f"mountPath: {path}" in text
+
+
+@pytest.mark.skipif(shutil.which("man") is None, reason="man is not installed")
+def test_page_renders_without_warnings():
+    env = dict(os.environ, MANWIDTH="80")
+    result = subprocess.run(["man", "--warnings", "-l", str(PAGE)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+    assert result.returncode == 0 and result.stderr == ""
