@@ -27,6 +27,10 @@ NAME = "nvcontainer-hook-client"
 # The runtime shim's front (runtime.c), installed as both names.
 RUNTIME_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime.c")
 RUNTIME_NAMES = ("nvidia-container-runtime", "nvcontainer-runtime")
+# The clean-environment front of the Python programs runtimes execute (front.c), one program
+# under each of these names.
+FRONT_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "front.c")
+FRONT_NAMES = ("nvcontainer-hook", "nvidia-container-runtime-hook", "nvidia-container-cli")
 CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-D_FORTIFY_SOURCE=2", "-fstack-protector-strong")
 COMPILE_TIMEOUT = 60.0
 
@@ -72,6 +76,34 @@ def build_runtime(dest: str, python: str, config: str | None = None, cc: str | N
                  flags=tuple(f"-D{d}" for d in defines), what="runtime front")
 
 
+def build_fronts(bin_dir: str, python: str = "", cc: str | None = None) -> str:
+    """Compile ``front.c`` once and install it as each of :data:`FRONT_NAMES` in ``bin_dir``
+    (each replaced atomically), with ``python`` embedded, or, empty, found beside the program at
+    run time (a wheel does not know its venv). musl where the node has it, as the runtime front."""
+    musl = shutil.which("musl-gcc", path="/usr/local/bin:/usr/bin:/bin")
+    first = os.path.join(bin_dir, FRONT_NAMES[0])
+    linked = build(first, python, cc or musl, source=FRONT_SOURCE,
+                   header=f"#define NVC_PYTHON {c_string(python)}\n", what="entry front")
+    with open(first, "rb") as f:
+        program = f.read()
+    for name in FRONT_NAMES[1:]:
+        _install(program, os.path.join(bin_dir, name))
+    return linked
+
+
+def _install(program: bytes, dest: str) -> None:
+    """``program`` at ``dest``, mode 0755, replacing what was there in one rename (a runtime
+    that executes it meanwhile sees the old file or the new one, never half of one)."""
+    staged = f"{dest}.nvcontainer-{os.getpid()}"
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755)
+    try:
+        os.write(fd, program)
+        os.fchmod(fd, 0o755)
+    finally:
+        os.close(fd)
+    os.rename(staged, dest)
+
+
 def build(dest: str, python: str, cc: str | None = None, *, source: str = SOURCE, header: str | None = None,
           flags: tuple[str, ...] = (), what: str = "hook client") -> str:
     """Compile the client to ``dest`` (replaced atomically, mode 0755); returns how it was linked.
@@ -101,13 +133,15 @@ def build(dest: str, python: str, cc: str | None = None, *, source: str = SOURCE
         else:
             raise NvcError("setup", f"building the native {what} failed: {escape(errors[0])}")
         with open(out, "rb") as f:
-            program = f.read()
-        staged = f"{dest}.nvcontainer-{os.getpid()}"
-        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755)
-        try:
-            os.write(fd, program)
-            os.fchmod(fd, 0o755)
-        finally:
-            os.close(fd)
-        os.rename(staged, dest)
+            _install(f.read(), dest)
     return "static" if linking else "dynamic"
+
+
+if __name__ == "__main__":   # python -I -m nvcontainer.native.build BIN_DIR [PYTHON]: the entry fronts
+    import sys
+
+    try:
+        how = build_fronts(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")
+    except (NvcError, OSError, IndexError) as exc:
+        sys.exit(f"nvcontainer: cannot build the entry fronts: {escape(exc)}")
+    sys.stderr.write(f"nvcontainer: entry fronts ({how}) in {escape(sys.argv[1])}: {', '.join(FRONT_NAMES)}\n")

@@ -202,9 +202,10 @@ int main(int argc, char **argv)
     int status = forward(argc, argv);
     if (status >= 0)
         return status;
-    /* Nobody took it: the full hook in the install's interpreter. -I keeps PYTHON* variables
-     * of the hook's environment out; the loader's own are dropped (the interpreter is dynamic). */
-    unsetenv("LD_PRELOAD"), unsetenv("LD_LIBRARY_PATH"), unsetenv("LD_AUDIT");
+    /* Nobody took it: the full hook in the install's interpreter, from a fixed environment
+     * (the runtime's may be the image's: LD_PRELOAD, GCONV_PATH and the like would reach the
+     * dynamic interpreter) and isolated (-I: no PYTHON* variable, nothing from the cwd). */
+    char *env[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};
     char **args = calloc((size_t)argc + 4, sizeof *args);
     if (!args) {
         dprintf(2, "%s: error: out of memory\n", PROG);
@@ -216,7 +217,7 @@ int main(int argc, char **argv)
     args[3] = "nvcontainer.hook";
     for (int i = 1; i < argc; i++)
         args[i + 3] = argv[i];
-    execv(NVC_PYTHON, args);
+    execve(NVC_PYTHON, args, env);
     dprintf(2, "%s: error: cannot run %s: %s\n", PROG, NVC_PYTHON, strerror(errno));
     return 1;
 }

@@ -1,0 +1,102 @@
+/* The front of every Python program a runtime or an engine executes: nvcontainer-hook (the
+ * prestart hook and the CDI hooks), nvidia-container-runtime-hook and nvidia-container-cli.
+ *
+ * Why: whoever runs these chooses their environment and working directory, and may be handing
+ * on the image's (a createContainer hook without an explicit env, CVE-2025-23266). An
+ * interpreter started from that environment runs code before any check of ours: LD_PRELOAD and
+ * LD_AUDIT through the dynamic loader, PYTHONPATH (sitecustomize), PYTHONHOME, PYTHONSTARTUP
+ * and PYTHONINSPECT through Python, GCONV_PATH through glibc, and the working directory through
+ * the script directory on sys.path. This program is static (no loader reads LD_* for it), takes
+ * none of its environment along, and executes the install's interpreter isolated (-I: no
+ * PYTHON* variable, no user site, no script or working directory on sys.path) with a fixed
+ * environment of PATH alone. The working directory is kept (it is the hooks' bundle), but
+ * nothing is imported from it.
+ *
+ * One program, several names (argv[0]); the interpreter is NVC_PYTHON when the build embeds
+ * it (setup, the package), else python3 beside this program's own file (a venv's bin/).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "nvc_config.h"
+
+#ifndef NVC_PYTHON
+#define NVC_PYTHON ""
+#endif
+
+#define SAFE_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+static const struct {
+    const char *name;
+    const char *code;
+} ENTRIES[] = {
+    {"nvcontainer-hook", "import sys;from nvcontainer.hook.main import main;sys.exit(main())"},
+    {"nvidia-container-runtime-hook",
+     "import sys;from nvcontainer.hook.main import main_nvidia_container_runtime_hook as m;sys.exit(m())"},
+    {"nvidia-container-cli",
+     "import sys;from nvcontainer.cli.main import main_nvidia_container_cli as m;sys.exit(m())"},
+};
+
+static const char *base(const char *path)
+{
+    const char *slash = strrchr(path, '/');
+    return slash ? slash + 1 : path;
+}
+
+/* python3 in the directory this program's file is in (/proc/self/exe: links resolved). */
+static int beside_me(char *out, size_t size)
+{
+    char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0)
+        return -1;
+    self[n] = '\0';
+    char *slash = strrchr(self, '/');
+    if (!slash)
+        return -1;
+    *slash = '\0';
+    int len = snprintf(out, size, "%s/python3", self);
+    return len > 0 && (size_t)len < size ? 0 : -1;
+}
+
+int main(int argc, char **argv)
+{
+    const char *name = argc > 0 && argv[0] ? base(argv[0]) : "";
+    const char *code = NULL;
+    for (size_t i = 0; i < sizeof ENTRIES / sizeof ENTRIES[0]; i++)
+        if (!strcmp(name, ENTRIES[i].name))
+            code = ENTRIES[i].code;
+    if (!code) {
+        fputs("nvcontainer: error: this program runs only as nvcontainer-hook, "
+              "nvidia-container-runtime-hook or nvidia-container-cli\n", stderr);
+        return 1;
+    }
+    char python[PATH_MAX];
+    if (*NVC_PYTHON) {
+        snprintf(python, sizeof python, "%s", NVC_PYTHON);
+    } else if (beside_me(python, sizeof python) < 0) {
+        fprintf(stderr, "%s: error: cannot find the interpreter beside this program: %s\n", name,
+                strerror(errno ? errno : ENOENT));
+        return 1;
+    }
+    char **args = calloc((size_t)argc + 4, sizeof *args);
+    if (!args) {
+        fprintf(stderr, "%s: error: out of memory\n", name);
+        return 1;
+    }
+    args[0] = python;
+    args[1] = "-I";
+    args[2] = "-c";
+    args[3] = (char *)code;
+    for (int i = 1; i < argc; i++)
+        args[i + 3] = argv[i];
+    char *env[] = {"PATH=" SAFE_PATH, NULL};
+    execve(python, args, env);
+    fprintf(stderr, "%s: error: cannot run %s: %s\n", name, python, strerror(errno));
+    return 1;
+}
