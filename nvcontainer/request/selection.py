@@ -98,7 +98,7 @@ def select(inventory: Inventory, tokens: list[str], allow: AllowList | None = No
     gpus: dict[int, Gpu] = {}
     migs: dict[tuple[int, int], MigDevice] = {}
     for token in tokens:
-        if token == "all":
+        if token.lower() == "all":   # upstream compares "all" without case
             return Selection(
                 gpus=tuple(g for g in inventory.gpus if allow is None or allow.touches(g)),
                 migs=tuple(m for g in inventory.gpus for m in g.migs if allow is None or allow.permits(g, m)),
