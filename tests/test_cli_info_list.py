@@ -185,6 +185,15 @@ def test_driver_not_loaded_error(fake_machine_factory):
     assert fails(machine, "info").startswith("nvcontainer: initialization error: nvml error: driver not loaded")
 
 
+def test_missing_root_is_an_initialization_error(fake_machine, tmp_path):
+    """upstream's category for a driver root it cannot use (issue 15.11); our text names it."""
+    for missing in (tmp_path / "nowhere", fake_machine.root / "etc/ld.so.conf"):
+        res = run_in_fake_proc(fake_machine, [*NVCONTAINER, "--root", str(missing), "list"],
+                               capture_output=True, text=True, timeout=60)
+        assert (res.returncode, res.stdout) == (1, "")
+        assert res.stderr == f"nvcontainer: initialization error: driver root {missing}: not a directory\n"
+
+
 def test_corrupt_ldcache_error(fake_machine, tmp_path):
     bad = fake_machine.root / "etc"
     # a cache file in another root that is truncated: --ldcache is relative to --root

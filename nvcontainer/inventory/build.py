@@ -35,7 +35,7 @@ def build(
     inventory cache's stored answers)."""
     root = os.path.abspath(root)
     if not os.path.isdir(root):
-        raise NvcError("input", f"driver root {escape(root)}: not a directory")
+        raise NvcError("initialization", f"driver root {escape(root)}: not a directory")
     entries = read_cache(root, ldcache_path)
     arch64, arch32 = ldcache.native_arches()
     entries64 = ldcache.entries_for_arch(entries, arch64)
