@@ -33,8 +33,9 @@ def list_(obj: Context, devices, libraries, binaries, ipcs, firmwares, compat32,
     channels = parse_imex_channels(imex)
     with_config = views.check_mig_option("mig-config", mig_config)
     with_monitor = views.check_mig_option("mig-monitor", mig_monitor)
-    if not (devices or libraries or binaries or ipcs or firmwares or compat32 or with_config or with_monitor):
+    if _lists_everything(click.get_current_context(), imex):
         devices, libraries, binaries, ipcs, firmwares, compat32 = ("all",), True, True, True, True, True
+        with_config = with_monitor = False
     opts = views.ListOptions(
         devices=bool(devices), libraries=libraries, binaries=binaries, ipcs=ipcs, firmwares=firmwares,
         compat32=compat32, mig_config=with_config, mig_monitor=with_monitor, imex_channels=channels,
@@ -49,3 +50,12 @@ def list_(obj: Context, devices, libraries, binaries, ipcs, firmwares, compat32,
         sys.stdout.write(views.list_json(sections, views.held_back_paths(held_back(inv, allow))))
         return
     sys.stdout.write(views.list_text(sections))
+
+
+def _lists_everything(ctx: click.Context, imex) -> bool:
+    """Upstream's default (``-d all -l -b -i -f --compat32``) holds only with no option at all,
+    or with one ``--imex-channel`` and nothing else; ``--json`` is ours and only changes the form.
+    Any other option, ``--no-persistenced`` included, turns it off."""
+    given = [name for name, value in ctx.params.items()
+             if name not in ("as_json", "imex") and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    return not given and len(imex) <= 1
