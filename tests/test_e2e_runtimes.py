@@ -190,3 +190,27 @@ def test_podman_with_hooks_dir(machine, tmp_path):
     res = runtime.run_podman(machine, tmp_path, ["NVIDIA_VISIBLE_DEVICES=0"], CHECKS)
     assert_gpu0_container(res, machine)
     assert host_mounts() == before
+
+
+MIG_CONTROL = r"""
+for n in 1 2; do echo "CAP$n:$(cat /dev/nvidia-caps/nvidia-cap$n 2>&1 | head -1)"; done
+awk '$5 ~ "^/dev/nvidia-caps" {print "MOUNTED:" $5}' /proc/self/mountinfo
+echo "CONFIG:$(head -1 /proc/driver/nvidia/capabilities/mig/config)"
+"""
+
+
+def test_mig_config_and_monitor_with_the_caps_directory_alone(fake_machine_factory, tmp_path):
+    """Issue 15.7, as upstream: only /dev/nvidia-caps is bound (no node bound again on top of
+    it) and the config and monitor nodes, reached through the directory, are allowed (ENXIO)."""
+    need("runc")
+    machine = fake_machine_factory(FakeSpec(gpus=2, mig=True))
+    env = ["NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_MIG_CONFIG_DEVICES=all", "NVIDIA_MIG_MONITOR_DEVICES=all"]
+    caps = ("CAP_CHOWN", "CAP_MKNOD", "CAP_KILL", "CAP_SYS_ADMIN")   # privileged: MIG control is refused otherwise
+    bundle = runtime.make_bundle(tmp_path, machine, env, MIG_CONTROL, caps=caps)
+    res = runtime.run_container(machine, bundle)
+    assert res.returncode == 0, res.stderr
+    got = parse(res.stdout)
+    assert got["CAP1"] == [f"cat: can't open '/dev/nvidia-caps/nvidia-cap1': {ENXIO}"]
+    assert got["CAP2"] == [f"cat: can't open '/dev/nvidia-caps/nvidia-cap2': {ENXIO}"]
+    assert got["MOUNTED"] == ["/dev/nvidia-caps"]
+    assert got["CONFIG"] == ["DeviceFileMinor: 1"]

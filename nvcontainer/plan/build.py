@@ -108,7 +108,7 @@ def build_plan(
             devices.append(_device(host, node))
     devices += [_device(host, g.node) for g in sel.gpus]
     if mig_all:
-        mounts += _mig_control(request, inv, sel, host, devices, extra_rules)
+        mounts += _mig_control(request, inv, sel, host, extra_rules)
     else:
         for mig in sel.migs:
             for cap in (mig.gi_cap, mig.ci_cap):
@@ -256,9 +256,12 @@ def _app_profile(gpus: tuple[Gpu, ...]) -> Tmpfs:
     return Tmpfs(APP_PROFILE_DIR, (File(f"{APP_PROFILE_DIR}/10-container.conf", content),))
 
 
-def _mig_control(request: Request, inv: Inventory, sel: Selection, host: _Host,
-                 devices: list[Device], rules: list[str]) -> list[Mount]:
-    """mig-config / mig-monitor = all: the capabilities tree, /dev/nvidia-caps, every MIG minor."""
+def _mig_control(request: Request, inv: Inventory, sel: Selection, host: _Host, rules: list[str]) -> list[Mount]:
+    """mig-config / mig-monitor = all: the capabilities tree, /dev/nvidia-caps, every MIG minor.
+
+    As upstream: the whole /dev/nvidia-caps directory is bound, and the config (minor 1) and
+    monitor (minor 2) nodes are allowed in the cgroup, not bound once more on top of it; the
+    directory already holds them (docs/plan.md says why nothing needs the extra binds)."""
     mounts = [Mount("/proc/driver/nvidia/capabilities", "/proc/driver/nvidia/capabilities", PROC_OPTIONS, kind="dir")]
     if inv.caps_major is None:
         raise NvcError("mig-config" if request.mig_config else "mig-monitor",
@@ -266,7 +269,7 @@ def _mig_control(request: Request, inv: Inventory, sel: Selection, host: _Host,
     mounts.append(Mount(host("/dev/nvidia-caps"), "/dev/nvidia-caps", ("nosuid", "noexec"), kind="dir"))
     for wanted, cap in ((request.mig_config, inv.mig.config_cap), (request.mig_monitor, inv.mig.monitor_cap)):
         if wanted and cap is not None:
-            devices.append(_device(host, cap))
+            rules.append(cap.rule)
     for g in sel.gpus:
         if not g.mig_capable:
             continue
