@@ -125,6 +125,7 @@ def test_spec_follows_the_machine(plain):
     for hook in common["hooks"]:
         assert hook["hookName"] == "createRuntime" and hook["path"] == HOOK_PATH
         assert hook["env"] == list(generate.HOOK_ENV)      # never the runtime's or the image's environment
+        assert hook["timeout"] == 20 + 30                  # the default deadline, and setup's margin
     links = hook_args(s, "create-symlinks")
     assert "libcuda.so.1::/usr/lib/x86_64-linux-gnu/libcuda.so" in links
     assert "libcuda.so.550.54.14::/usr/lib/x86_64-linux-gnu/libcuda.so.1" in links
@@ -619,6 +620,19 @@ def test_a_spec_offers_only_what_allowed_devices_permits(mig, tmp_path):
     assert res.returncode == 1
     assert res.stderr.endswith("allowed-devices permits no device on this node: a CDI spec needs at least one\n")
     assert res.stderr.count("\n") == 1
+
+
+def test_hook_timeout_follows_the_configured_deadline(plain, tmp_path):
+    """Without a timeout a runtime waits for a stuck hook for ever: each hook gets the
+    configuration's deadline (rounded up) plus 30 s, so the hook's own error comes first."""
+    config = tmp_path / "config.toml"
+    config.write_text("deadline = 7.5\n")
+    res = run_in_fake_proc(plain, [*CLI, "--root", str(plain.root), "--config", str(config), "cdi", "generate",
+                                   "--hook-path", HOOK_PATH], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    hooks = yamltext.load(res.stdout, "stdout")["containerEdits"]["hooks"]
+    assert [h["timeout"] for h in hooks] == [38] * len(hooks) and len(hooks) == 3
+    spec.validate({"cdiVersion": "0.5.0", "kind": "a.com/b", "devices": [], "containerEdits": {"hooks": hooks}}, "x")
 
 
 def test_update_ldcache_hook_checks_ldconfig_before_placing_anything(plain, container):

@@ -18,6 +18,7 @@ covered, which is what keeps NVML from re-creating device nodes).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -44,6 +45,9 @@ HOOK_STAGE = "createRuntime"
 # the container's (CVE-2025-23266: an image's LD_PRELOAD ran in a createContainer hook).
 HOOK_ENV = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",)
 HOOK_PROGRAM = "nvcontainer-hook"
+# A runtime without a hook timeout waits for ever (SECURITY §4.4); past the hook's own deadline,
+# so the hook reports first, by the margin setup gives its registrations.
+TIMEOUT_MARGIN = 30
 # CDI mounts are recursive binds kept private to the container (REFERENCE §4.3).
 BIND_OPTIONS = ("rbind", "rprivate")
 VOID_ENV = "NVIDIA_VISIBLE_DEVICES=void"
@@ -60,6 +64,7 @@ class Options:
     all_device: bool = True
     ldconfig: str = "/sbin/ldconfig"
     allow: object = None   # selection.AllowList: the node's allowed-devices (None: every device)
+    deadline: float = 20.0   # the configuration's deadline: each hook's timeout is this plus TIMEOUT_MARGIN
 
 
 def generate(inv: Inventory, opts: Options) -> Spec:
@@ -105,6 +110,10 @@ def generate(inv: Inventory, opts: Options) -> Spec:
         hooks=hooks,
     )
     return Spec(kind=kind, devices=tuple(devices), edits=edits)
+
+
+def hook_timeout(opts: Options) -> int:
+    return math.ceil(opts.deadline) + TIMEOUT_MARGIN
 
 
 def device_names(gpu: Gpu, mig: MigDevice | None, strategies) -> list[str]:
@@ -162,7 +171,7 @@ def _mounts(plan: Plan, root: str) -> dict[str, Mount]:
 
 def _hooks(plan: Plan, inv: Inventory, opts: Options, mounts: dict[str, Mount]) -> tuple[Hook, ...]:
     def hook(*args: str) -> Hook:
-        return Hook(HOOK_STAGE, opts.hook_path, (HOOK_PROGRAM, *args), HOOK_ENV)
+        return Hook(HOOK_STAGE, opts.hook_path, (HOOK_PROGRAM, *args), HOOK_ENV, hook_timeout(opts))
 
     hooks = []
     links = _links(plan, mounts)
