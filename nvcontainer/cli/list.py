@@ -22,11 +22,14 @@ from .context import Context, parse_imex_channels
 @click.option("--no-persistenced", is_flag=True)
 @click.option("--no-fabricmanager", is_flag=True)
 @click.option("--no-gsp-firmware", is_flag=True)
+@click.option("-g", "--graphics", is_flag=True,
+              help="Also what graphics brings beyond libraries: the selected GPUs' DRI nodes, Vulkan and EGL files.")
+@click.option("-D", "--display", is_flag=True, help="As --graphics, and the Xorg modules.")
 @click.option("--json", "as_json", is_flag=True, help="JSON output, by section.")
 @click.pass_obj
 def list_(obj: Context, devices, libraries, binaries, ipcs, firmwares, compat32, mig_config, mig_monitor,
-          imex, no_persistenced, no_fabricmanager, no_gsp_firmware, as_json) -> None:
-    """What a container would be given: device nodes, binaries, libraries, IPCs, firmware."""
+          imex, no_persistenced, no_fabricmanager, no_gsp_firmware, graphics, display, as_json) -> None:
+    """What a container would be given: device nodes, binaries, libraries, IPCs, firmware (and, asked, graphics files)."""
     from . import views
     from ..request.selection import held_back, select, split_tokens
 
@@ -40,6 +43,7 @@ def list_(obj: Context, devices, libraries, binaries, ipcs, firmwares, compat32,
         devices=bool(devices), libraries=libraries, binaries=binaries, ipcs=ipcs, firmwares=firmwares,
         compat32=compat32, mig_config=with_config, mig_monitor=with_monitor, imex_channels=channels,
         no_persistenced=no_persistenced, no_fabricmanager=no_fabricmanager, no_gsp_firmware=no_gsp_firmware,
+        graphics=graphics, display=display,
     )
     tokens = split_tokens(devices)
     inv = obj.inventory()

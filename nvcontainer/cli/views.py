@@ -82,6 +82,8 @@ class ListOptions:
     no_persistenced: bool = False
     no_fabricmanager: bool = False
     no_gsp_firmware: bool = False
+    graphics: bool = False
+    display: bool = False
 
 
 def list_sections(inv: Inventory, sel: Selection, opts: ListOptions) -> dict[str, list[str]]:
@@ -118,6 +120,13 @@ def list_sections(inv: Inventory, sel: Selection, opts: ListOptions) -> dict[str
     libraries32 = [lib.path for lib in inv.libraries32] if opts.libraries and opts.compat32 else []
     ipcs = [i.path for i in inv.ipcs if _wanted(i, opts)] if opts.ipcs else []
     firmwares = [f.path for f in inv.firmwares] if opts.firmwares and not opts.no_gsp_firmware else []
+    graphics = []
+    if opts.graphics or opts.display:   # not upstream's: a section of our own, last
+        if opts.devices:
+            graphics += [n.path for g in sel.whole_gpus() for n in g.dri]
+        # files at the path loaders look them up and the container gets them; libraries as they are
+        graphics += [f.path if f.kind == "library" else f.name for f in inv.graphics
+                     if f.group == "graphics" or opts.display]
     return {
         "devices": devices,
         "imex_channels": imex,
@@ -127,6 +136,7 @@ def list_sections(inv: Inventory, sel: Selection, opts: ListOptions) -> dict[str
         "libraries32": libraries32,
         "ipcs": ipcs,
         "firmwares": firmwares,
+        "graphics": graphics,
     }
 
 

@@ -1,8 +1,8 @@
 """Request + inventory + container facts → the plan. Pure: no I/O, no clock, no randomness.
 
 The order of the plan is the order of application (REFERENCE §1.4, step 6): procfs, the
-graphics application profile, binaries, libraries, firmware, IPC, device nodes, symlinks,
-files, then the linker cache. Every device node in the plan gets exactly one cgroup rule, and
+graphics application profile, binaries, libraries, graphics and display files, firmware, IPC,
+device nodes, symlinks, files, then the linker cache. Every device node in the plan gets exactly one cgroup rule, and
 nothing else does.
 """
 
@@ -98,6 +98,12 @@ def build_plan(
                for lib in libs]
     mounts += [Mount(host(lib.path), f"{container.libs32_dir}/{os.path.basename(lib.path)}", LIBRARY_OPTIONS)
                for lib in libs32]
+    gfx = [f for f in inv.graphics if f.group in libgroups or (f.group == "display" and "display" in caps)]
+    gfx_libs = [f for f in gfx if f.kind == "library" and not request.driver_volume]
+    gfx_files = [f for f in gfx if f.kind != "library"]
+    mounts += [Mount(host(f.path), f"{container.libs_dir}/{os.path.basename(f.path)}", LIBRARY_OPTIONS)
+               for f in gfx_libs]
+    mounts += [Mount(host(f.path), f.name, LIBRARY_OPTIONS) for f in gfx_files]   # where loaders look
     if not options.no_gsp_firmware:
         mounts += [Mount(host(f.path), f.path, LIBRARY_OPTIONS) for f in inv.firmwares]
     mounts += [Mount(host(i.path), i.path, IPC_OPTIONS, kind=i.kind or "socket")
@@ -107,6 +113,8 @@ def build_plan(
         if _ctl_wanted(node, inv, libgroups, caps):
             devices.append(_device(host, node))
     devices += [_device(host, g.node) for g in sel.gpus]
+    dri = [(g, node) for g in sel.whole_gpus() for node in g.dri] if "graphics" in libgroups else []
+    devices += [_device(host, node) for _, node in dri]
     if mig_all:
         mounts += _mig_control(request, inv, sel, host, extra_rules)
     else:
@@ -118,6 +126,9 @@ def build_plan(
 
     symlinks = _symlinks(libs, container.libs_dir, libgroups, inv.driver_version)
     symlinks += _symlinks(libs32, container.libs32_dir, frozenset(), inv.driver_version)
+    symlinks += _symlinks(gfx_libs, container.libs_dir, frozenset(), inv.driver_version)
+    symlinks += [Symlink(f"{os.path.dirname(f.name)}/{name}", target) for f in gfx_files for name, target in f.links]
+    symlinks += [_by_path(g, node) for g, node in dri]
     files, compat_dirs = _compat(container, inv.driver_version, options.cuda_compat_mode, "compute" in libgroups)
 
     ld_dirs = [*compat_dirs, *lib_dirs]
@@ -276,6 +287,14 @@ def _mig_control(request: Request, inv: Inventory, sel: Selection, host: _Host, 
         prefix = f"gpu{g.minor}/"
         rules += [f"c {inv.caps_major}:{minor} rw" for name, minor in inv.mig_minors if name.startswith(prefix)]
     return mounts
+
+
+def _by_path(gpu: Gpu, node: DeviceNode) -> Symlink:
+    """udev's ``/dev/dri/by-path`` name of a DRI node, which some Vulkan and Wayland code opens:
+    ``pci-0000:07:00.0-card -> ../card1``, ``pci-0000:07:00.0-render -> ../renderD129``."""
+    name = os.path.basename(node.path)
+    kind = "card" if name.startswith("card") else "render"
+    return Symlink(f"/dev/dri/by-path/pci-{gpu.bus_id[4:]}-{kind}", f"../{name}")
 
 
 def _imex(request: Request, inv: Inventory, host: _Host) -> list[Device]:
