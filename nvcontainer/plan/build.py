@@ -98,8 +98,10 @@ def build_plan(
                for lib in libs]
     mounts += [Mount(host(lib.path), f"{container.libs32_dir}/{os.path.basename(lib.path)}", LIBRARY_OPTIONS)
                for lib in libs32]
-    gfx = [f for f in inv.graphics if f.group in libgroups or (f.group == "display" and "display" in caps)]
-    gfx_libs = [f for f in gfx if f.kind == "library" and not request.driver_volume]
+    # a legacy image's driver volume stands for every driver file: these too (its devices stay)
+    gfx = [f for f in inv.graphics if not request.driver_volume
+           and (f.group in libgroups or (f.group == "display" and "display" in caps))]
+    gfx_libs = [f for f in gfx if f.kind == "library"]
     gfx_files = [f for f in gfx if f.kind != "library"]
     mounts += [Mount(host(f.path), f"{container.libs_dir}/{os.path.basename(f.path)}", LIBRARY_OPTIONS)
                for f in gfx_libs]
