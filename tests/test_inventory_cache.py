@@ -228,6 +228,10 @@ def test_graphics_changes_are_seen(machine, cache_dir):
     icd.parent.mkdir(parents=True)
     icd.write_text("{}")
     assert "/usr/share/vulkan/icd.d/nvidia_icd.json" in [f.name for f in inventory(machine, cfg).graphics]
+    wayland2 = machine.root / "usr/share/egl/egl_external_platform.d/09_nvidia_wayland2.json"   # an existing directory
+    wayland2.write_text("{}")
+    assert "/usr/share/egl/egl_external_platform.d/09_nvidia_wayland2.json" in [
+        f.name for f in inventory(machine, cfg).graphics]
     (machine.root / before.gpus[1].dri[1].path.lstrip("/")).unlink()
     assert [n.path for n in inventory(machine, cfg).gpus[1].dri] == [before.gpus[1].dri[0].path]
     bus = before.gpus[0].bus_id[4:]

@@ -204,14 +204,13 @@ def _xorg(root: str, version: str, libraries: tuple[DriverFile, ...]) -> list[Dr
 
 def watched(inventory) -> list[str]:
     """Driver-root paths whose change may change what this module finds, present or not: each
-    config and Xorg location, the files found, each GPU's sysfs ``drm`` directory and DRI nodes."""
+    directory a file is looked for in (a file that appears or goes changes its directory), the
+    files found and the links in front of them, each GPU's sysfs ``drm`` directory, its DRI nodes."""
     libdirs = {os.path.dirname(lib.path) for lib in inventory.libraries if lib.name == "libcuda.so"}
     libdirs.add("/usr/lib/x86_64-linux-gnu")
-    paths = [f"{d}/{name}" for d in CONFIG_DIRS for name in CONFIG_NAMES]
-    for kind, module in XORG_MODULES:
-        module = module.format(version=inventory.driver_version)
-        paths += [f"{d.format(libdir=libdir, kind=kind)}/{module}" for d in XORG_DIRS for libdir in sorted(libdirs)]
-    paths.append(XORG_CONFIG)
+    paths = [os.path.dirname(f"{d}/{name}") for d in CONFIG_DIRS for name in CONFIG_NAMES]
+    paths += [d.format(libdir=libdir, kind=kind) for kind, _ in XORG_MODULES for d in XORG_DIRS for libdir in sorted(libdirs)]
+    paths.append(os.path.dirname(XORG_CONFIG))
     for f in inventory.graphics:
         paths += [f.path, f.name] if f.kind != "library" else [f.path]
     for gpu in inventory.gpus:
@@ -222,5 +221,4 @@ def watched(inventory) -> list[str]:
         except OSError:
             pass
         paths += [node.path for node in gpu.dri]
-    paths += [os.path.dirname(p) for p in paths]
     return list(dict.fromkeys(paths))
