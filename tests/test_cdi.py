@@ -103,6 +103,8 @@ def test_spec_follows_the_machine(plain):
     by_name = {d["name"]: d["containerEdits"] for d in s["devices"]}
     for gpu in desc["gpus"]:
         want = [(f"/dev/nvidia{gpu['minor']}", f"{root}/dev/nvidia{gpu['minor']}", 195, gpu["minor"])]
+        want += [(n["path"], root + n["path"], 226, n["minor"]) for n in gpu["dri"]]   # its card and render nodes
+        assert len(want) == 3
         assert nodes(by_name[str(gpu["index"])]) == want
         assert nodes(by_name[gpu["uuid"]]) == want
     assert nodes(by_name["all"]) == nodes(by_name["0"]) + nodes(by_name["1"])
@@ -115,16 +117,19 @@ def test_spec_follows_the_machine(plain):
                              ("/dev/nvidia-modeset", f"{root}/dev/nvidia-modeset", 195, 254)]
     mounts = {m["containerPath"]: m for m in common["mounts"]}
     files = [lib["path"] for lib in desc["libraries"] + desc["libraries32"]] + [b["path"] for b in desc["binaries"]]
-    files += [f["path"] for f in desc["firmwares"]]
+    files += [f["path"] for f in desc["firmwares"]] + [lib["path"] for lib in desc["graphics"]["libraries"]]
     for path in files:   # every driver file, at its own path, read-only
         assert mounts[path] == {"hostPath": root + path, "containerPath": path, "options": LIB_OPTIONS}
+    for f in desc["graphics"]["files"]:   # Vulkan, EGL, Xorg files: where loaders look, the real file behind
+        assert mounts[f["name"]] == {"hostPath": root + f["path"], "containerPath": f["name"], "options": LIB_OPTIONS}
     for ipc in desc["ipcs"]:
         assert mounts[ipc["path"]]["options"] == ["nosuid", "nodev", "noexec", "rbind", "rprivate"]
-    assert len(mounts) == len(files) + len(desc["ipcs"])
+    assert len(mounts) == len(files) + len(desc["graphics"]["files"]) + len(desc["ipcs"])
     assert not any(path.startswith("/proc/") for path in mounts)
     for hook in common["hooks"]:
         assert hook["hookName"] == "createRuntime" and hook["path"] == HOOK_PATH
         assert hook["env"] == list(generate.HOOK_ENV)      # never the runtime's or the image's environment
+        assert hook["timeout"] == 20 + 30                  # the default deadline, and setup's margin
     links = hook_args(s, "create-symlinks")
     assert "libcuda.so.1::/usr/lib/x86_64-linux-gnu/libcuda.so" in links
     assert "libcuda.so.550.54.14::/usr/lib/x86_64-linux-gnu/libcuda.so.1" in links
@@ -619,6 +624,46 @@ def test_a_spec_offers_only_what_allowed_devices_permits(mig, tmp_path):
     assert res.returncode == 1
     assert res.stderr.endswith("allowed-devices permits no device on this node: a CDI spec needs at least one\n")
     assert res.stderr.count("\n") == 1
+
+
+def test_graphics_in_the_spec(mig):
+    """Issue 15.13, as NVIDIA's CDI generator has it: a GPU's device brings its DRI nodes and a
+    hook for their /dev/dri/by-path links; a MIG device brings none (no graphics instance); the
+    common edits give the Xorg GLX module its unversioned link."""
+    desc = mig.description()
+    s = spec_of(mig, "--device-name-strategy", "index")
+    by_name = {d["name"]: d["containerEdits"] for d in s["devices"]}
+    every = []
+    for gpu in desc["gpus"]:
+        edits = by_name[str(gpu["index"])]
+        assert [n[0] for n in nodes(edits)][1:] == [n["path"] for n in gpu["dri"]]
+        card, render = (n["path"].rsplit("/", 1)[1] for n in gpu["dri"])
+        links = [f"../{card}::/dev/dri/by-path/pci-{gpu['proc_bus_id']}-card",
+                 f"../{render}::/dev/dri/by-path/pci-{gpu['proc_bus_id']}-render"]
+        (hook,) = edits["hooks"]
+        assert hook["args"] == ["nvcontainer-hook", "create-symlinks", "--link", links[0], "--link", links[1]]
+        assert hook["hookName"] == "createRuntime" and hook["env"] == list(generate.HOOK_ENV) and hook["timeout"] == 50
+        every += links
+    for mig_device in desc["gpus"][0]["migs"]:
+        edits = by_name[f"0:{mig_device['index']}"]
+        assert not any(n[0].startswith("/dev/dri/") for n in nodes(edits)) and "hooks" not in edits
+    (hook,) = by_name["all"]["hooks"]
+    assert hook["args"][2:] == [arg for link in every for arg in ("--link", link)]
+    glx = f"libglxserver_nvidia.so.{desc['driver_version']}"
+    assert f"{glx}::/usr/lib/xorg/modules/extensions/libglxserver_nvidia.so" in hook_args(s, "create-symlinks")
+
+
+def test_hook_timeout_follows_the_configured_deadline(plain, tmp_path):
+    """Without a timeout a runtime waits for a stuck hook for ever: each hook gets the
+    configuration's deadline (rounded up) plus 30 s, so the hook's own error comes first."""
+    config = tmp_path / "config.toml"
+    config.write_text("deadline = 7.5\n")
+    res = run_in_fake_proc(plain, [*CLI, "--root", str(plain.root), "--config", str(config), "cdi", "generate",
+                                   "--hook-path", HOOK_PATH], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    hooks = yamltext.load(res.stdout, "stdout")["containerEdits"]["hooks"]
+    assert [h["timeout"] for h in hooks] == [38] * len(hooks) and len(hooks) == 3
+    spec.validate({"cdiVersion": "0.5.0", "kind": "a.com/b", "devices": [], "containerEdits": {"hooks": hooks}}, "x")
 
 
 def test_update_ldcache_hook_checks_ldconfig_before_placing_anything(plain, container):

@@ -23,7 +23,7 @@ import pytest
 
 from tests.fixtures import runtime
 from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
-from tests.test_e2e_runtimes import ENXIO, EPERM, host_mounts, parse
+from tests.test_e2e_runtimes import ENXIO, EPERM, GRAPHICS, assert_graphics_container, host_mounts, parse
 
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
 CHECKS = rf"""
@@ -131,3 +131,17 @@ def test_unknown_device_is_refused(machine, spec_dir, tmp_path):
     assert res.returncode != 0
     assert "STARTED" not in res.stdout
     assert "nvidia.com/gpu=7" in res.stderr
+
+
+@pytest.mark.parametrize("runtime_name", ["crun", "runc"])
+def test_graphics(machine, spec_dir, tmp_path, runtime_name):
+    """Issue 15.13 through CDI, as NVIDIA's generator has it: GPU 1's device brings its DRI
+    nodes (podman creates and allows them) and our create-symlinks hook their by-path links; the
+    common edits bring the Vulkan, EGL and Xorg files where the loaders look (CDI has no
+    capabilities: every driver file, display's too)."""
+    if shutil.which(runtime_name) is None:
+        pytest.skip(f"{runtime_name} is not installed")
+    other = machine.description()["gpus"][0]["dri"][1]["minor"]
+    res = run_podman_cdi(machine, spec_dir, tmp_path, "nvidia.com/gpu=1", GRAPHICS.replace("{other}", str(other)),
+                         runtime_name)
+    assert_graphics_container(res, machine, 1)

@@ -109,6 +109,30 @@ def test_list_default_is_everything_in_upstream_order(fake_machine):
     default = ok(fake_machine, "list")
     assert default.splitlines() == expected
     assert ok(fake_machine, "list", "-d", "all", "-l", "-b", "-i", "-f", "--compat32") == default
+    # upstream looks up utility, compute, ngx, video, graphics: NGX closes the compute group
+    names = [line.rsplit("/", 1)[1].split(".so")[0] for line in default.splitlines() if "/x86_64-linux-gnu/" in line]
+    assert names[names.index("libnvidia-ngx") - 1:names.index("libnvidia-ngx") + 2] == [
+        "libnvidia-tileiras", "libnvidia-ngx", "libvdpau_nvidia"]
+
+
+def test_list_lists_everything_only_without_options(fake_machine):
+    """Upstream's rule (its list_parser): the full list with no option at all, or with exactly
+    one --imex-channel; any other option, --no-persistenced included, lists only what it asks."""
+    truth = fake_machine.description()
+    everything = ok(fake_machine, "list").splitlines()
+    assert ok(fake_machine, "list", "--no-persistenced") == ""
+    assert ok(fake_machine, "list", "--no-persistenced", "--no-fabricmanager", "--no-gsp-firmware") == ""
+    assert ok(fake_machine, "list", "--mig-config", "all") == ""   # no device selected
+    assert ok(fake_machine, "list", "--no-fabricmanager", "-i").splitlines() == [
+        i["path"] for i in truth["ipcs"] if i["name"] != "fabricmanager"]
+    channel = "/dev/nvidia-caps-imex-channels/channel0"
+    with_channel = ok(fake_machine, "list", "--imex-channel=0").splitlines()
+    devices = len(control_nodes(truth)) + len(truth["gpus"])
+    assert with_channel == everything[:devices] + [channel] + everything[devices:]
+    assert ok(fake_machine, "list", "--imex-channel=0", "--imex-channel=1").splitlines() == [
+        channel, "/dev/nvidia-caps-imex-channels/channel1"]
+    assert json.loads(ok(fake_machine, "list", "--json"))["libraries"] == [lib["path"] for lib in truth["libraries"]]
+    assert ok(fake_machine, "list", "-d", "ALL") == ok(fake_machine, "list", "-d", "all")   # issue 15.8
 
 
 def test_list_paths_are_relative_to_root(fake_machine):
@@ -147,9 +171,10 @@ def test_list_mig_device(fake_machine_factory):
     machine = fake_machine_factory(FakeSpec(mig=True))
     truth = machine.description()
     mig = truth["gpus"][0]["migs"][1]
+    # upstream prints both access files, then the nodes behind them (its list_command)
     expected = control_nodes(truth) + [
         truth["gpus"][0]["node"]["path"],
-        mig["gi_access"], mig["gi_cap"]["path"], mig["ci_access"], mig["ci_cap"]["path"],
+        mig["gi_access"], mig["ci_access"], mig["gi_cap"]["path"], mig["ci_cap"]["path"],
     ]
     assert ok(machine, "list", "-d", mig["uuid"]).splitlines() == expected
     assert ok(machine, "list", "-d", "0:1").splitlines() == expected
@@ -169,6 +194,27 @@ def test_hostile_device_token_is_escaped(fake_machine):
     assert "\x1b" not in line and "\\x1b" in line and "\\n" in line
 
 
+def test_list_mig_config_and_monitor(fake_machine_factory):
+    """Upstream's list_command: for mig-config, then mig-monitor, the control file and its node,
+    then for each selected MIG-capable GPU its /proc/driver/nvidia/capabilities/gpu<minor>
+    directory, /dev/nvidia-caps and every node mig-minors gives that GPU."""
+    machine = fake_machine_factory(FakeSpec(mig=True))
+    truth = machine.description()
+    minors = [line.split() for line in (machine.proc / "driver/nvidia-caps/mig-minors").read_text().splitlines()]
+    gpu0 = truth["gpus"][0]
+    assert gpu0["mig_capable"] and not truth["gpus"][1]["mig_capable"]
+    per_gpu = [f"/proc/driver/nvidia/capabilities/gpu{gpu0['minor']}", "/dev/nvidia-caps"] + [
+        f"/dev/nvidia-caps/nvidia-cap{minor}" for name, minor in minors if name.startswith(f"gpu{gpu0['minor']}/")]
+    control = truth["mig_control"]
+    devices = control_nodes(truth) + [g["node"]["path"] for g in truth["gpus"]]   # no MIG access files
+    out = ok(machine, "list", "-d", "all", "--mig-config=all", "--mig-monitor=all").splitlines()
+    assert out == (devices + [control["config"], control["config_cap"]["path"]] + per_gpu
+                   + [control["monitor"], control["monitor_cap"]["path"]] + per_gpu)
+    # a GPU that cannot run MIG brings nothing for it
+    assert ok(machine, "list", "-d", "1", "--mig-monitor=all").splitlines() == (
+        control_nodes(truth) + [truth["gpus"][1]["node"]["path"]])
+
+
 def test_mig_config_accepts_only_all(fake_machine):
     assert fails(fake_machine, "list", "--mig-config", "0") == (
         "nvcontainer: mig-config error: only 'all' devices are currently supported")
@@ -183,6 +229,15 @@ def test_missing_nvml_error(fake_machine_factory):
 def test_driver_not_loaded_error(fake_machine_factory):
     machine = fake_machine_factory(FakeSpec(missing=frozenset({"driver"})))
     assert fails(machine, "info").startswith("nvcontainer: initialization error: nvml error: driver not loaded")
+
+
+def test_missing_root_is_an_initialization_error(fake_machine, tmp_path):
+    """upstream's category for a driver root it cannot use (issue 15.11); our text names it."""
+    for missing in (tmp_path / "nowhere", fake_machine.root / "etc/ld.so.conf"):
+        res = run_in_fake_proc(fake_machine, [*NVCONTAINER, "--root", str(missing), "list"],
+                               capture_output=True, text=True, timeout=60)
+        assert (res.returncode, res.stdout) == (1, "")
+        assert res.stderr == f"nvcontainer: initialization error: driver root {missing}: not a directory\n"
 
 
 def test_corrupt_ldcache_error(fake_machine, tmp_path):

@@ -190,3 +190,83 @@ def test_podman_with_hooks_dir(machine, tmp_path):
     res = runtime.run_podman(machine, tmp_path, ["NVIDIA_VISIBLE_DEVICES=0"], CHECKS)
     assert_gpu0_container(res, machine)
     assert host_mounts() == before
+
+
+MIG_CONTROL = r"""
+for n in 1 2; do echo "CAP$n:$(cat /dev/nvidia-caps/nvidia-cap$n 2>&1 | head -1)"; done
+awk '$5 ~ "^/dev/nvidia-caps" {print "MOUNTED:" $5}' /proc/self/mountinfo
+echo "CONFIG:$(head -1 /proc/driver/nvidia/capabilities/mig/config)"
+"""
+
+
+def test_mig_config_and_monitor_with_the_caps_directory_alone(fake_machine_factory, tmp_path):
+    """Issue 15.7, as upstream: only /dev/nvidia-caps is bound (no node bound again on top of
+    it) and the config and monitor nodes, reached through the directory, are allowed (ENXIO)."""
+    need("runc")
+    machine = fake_machine_factory(FakeSpec(gpus=2, mig=True))
+    env = ["NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_MIG_CONFIG_DEVICES=all", "NVIDIA_MIG_MONITOR_DEVICES=all"]
+    caps = ("CAP_CHOWN", "CAP_MKNOD", "CAP_KILL", "CAP_SYS_ADMIN")   # privileged: MIG control is refused otherwise
+    bundle = runtime.make_bundle(tmp_path, machine, env, MIG_CONTROL, caps=caps)
+    res = runtime.run_container(machine, bundle)
+    assert res.returncode == 0, res.stderr
+    got = parse(res.stdout)
+    assert got["CAP1"] == [f"cat: can't open '/dev/nvidia-caps/nvidia-cap1': {ENXIO}"]
+    assert got["CAP2"] == [f"cat: can't open '/dev/nvidia-caps/nvidia-cap2': {ENXIO}"]
+    assert got["MOUNTED"] == ["/dev/nvidia-caps"]
+    assert got["CONFIG"] == ["DeviceFileMinor: 1"]
+
+
+# Issue 15.13: what a graphics container sees. {other} is a DRI minor of a GPU it did not ask for.
+GRAPHICS = r"""
+for f in /etc/vulkan/icd.d/nvidia_icd.json /usr/share/vulkan/implicit_layer.d/nvidia_layers.json \
+         /usr/share/glvnd/egl_vendor.d/10_nvidia.json /usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json; do
+    echo "JSON:$f:$(grep -o '"library_path": "[^"]*"' $f 2>&1)"
+done
+echo "DRI:$(ls /dev/dri | sort | tr '\n' ' ')"
+for n in /dev/dri/card* /dev/dri/renderD*; do echo "OPEN:$n:$(cat $n 2>&1 | head -1)"; done
+for l in /dev/dri/by-path/*; do echo "BYPATH:${l##*/}:$(readlink $l)"; done
+rm -f /tmp/other; mknod /tmp/other c 226 {other} && echo "OTHER:$(cat /tmp/other 2>&1 | head -1)"
+echo "XORG:$(ls /usr/lib/xorg/modules/drivers 2>&1):$(readlink /usr/lib/xorg/modules/extensions/libglxserver_nvidia.so 2>&1)"
+echo "EGLLIB:$(readlink /usr/lib/x86_64-linux-gnu/libnvidia-egl-wayland.so.1)"
+echo "LDCONFIG:$(ldconfig -p | grep -c 'libnvidia-egl-wayland.so.1 ')"
+echo "DONE:ok"
+"""
+
+
+def assert_graphics_container(res, machine, gpu: int, *, display: bool = True):
+    """What GPU ``gpu``'s graphics container must see: the loaders' files at their paths, its
+    own card and render nodes (allowed: ENXIO), their by-path links, not the other GPU's nodes
+    (absent, and denied when made: EPERM), the Xorg modules with display."""
+    from tests.fixtures.fakegpu.graphics import drm_major_free
+
+    assert res.returncode == 0, res.stderr
+    got = parse(res.stdout)
+    assert got["DONE"] == ["ok"], res.stdout
+    desc = machine.description()
+    assert got["JSON"] == [
+        '/etc/vulkan/icd.d/nvidia_icd.json:"library_path": "libGLX_nvidia.so.0"',
+        '/usr/share/vulkan/implicit_layer.d/nvidia_layers.json:"library_path": "libGLX_nvidia.so.0"',
+        '/usr/share/glvnd/egl_vendor.d/10_nvidia.json:"library_path": "libEGL_nvidia.so.0"',
+        '/usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json:"library_path": "libnvidia-egl-wayland.so.1"']
+    card, render = (n["path"].rsplit("/", 1)[1] for n in desc["gpus"][gpu]["dri"])
+    assert got["DRI"] == [f"by-path {card} {render}"]
+    if drm_major_free():   # no DRM driver here: an allowed node has nothing behind it
+        assert got["OPEN"] == [f"/dev/dri/{card}:cat: can't open '/dev/dri/{card}': {ENXIO}",
+                               f"/dev/dri/{render}:cat: can't open '/dev/dri/{render}': {ENXIO}"]
+        assert got["OTHER"] == [f"cat: can't open '/tmp/other': {EPERM}"]
+    bus = desc["gpus"][gpu]["proc_bus_id"]
+    assert got["BYPATH"] == [f"pci-{bus}-card:../{card}", f"pci-{bus}-render:../{render}"]
+    glx = f"libglxserver_nvidia.so.{desc['driver_version']}"
+    assert got["XORG"] == ([f"nvidia_drv.so:{glx}"] if display else
+                           ["ls: /usr/lib/xorg/modules/drivers: No such file or directory:"])
+    assert got["EGLLIB"] == ["libnvidia-egl-wayland.so.1.1.13"]
+    assert got["LDCONFIG"] == ["1"]
+
+
+@pytest.mark.parametrize("caps", ["graphics,display", "graphics"])
+def test_graphics_and_display_under_runc(machine, tmp_path, caps):
+    need("runc")
+    other = machine.description()["gpus"][0]["dri"][1]["minor"]
+    env = ["NVIDIA_VISIBLE_DEVICES=1", f"NVIDIA_DRIVER_CAPABILITIES={caps}"]
+    bundle = runtime.make_bundle(tmp_path, machine, env, GRAPHICS.replace("{other}", str(other)))
+    assert_graphics_container(runtime.run_container(machine, bundle), machine, 1, display="display" in caps)

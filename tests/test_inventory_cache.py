@@ -214,6 +214,31 @@ def test_new_persistenced_socket_is_seen(machine, cache_dir):
     assert "persistenced" not in [f.name for f in inventory(machine, cfg).ipcs]
 
 
+def test_graphics_changes_are_seen(machine, cache_dir):
+    """What graphics.py finds is kept in the entry and re-validated: a Vulkan ICD installed
+    under another search directory, a DRI node gone, a GPU's DRM device gone from sysfs (the
+    nvidia-drm module unloaded), without asking NVML again."""
+    cfg = config_for(machine, cache_dir)
+    before = inventory(machine, cfg)
+    assert before.gpus[0].dri and before.gpus[1].dri
+    assert "/usr/share/vulkan/icd.d/nvidia_icd.json" not in [f.name for f in before.graphics]
+    break_nvml(machine)
+    assert inventory(machine, cfg) == before   # a hit, NVML untouched
+    icd = machine.root / "usr/share/vulkan/icd.d/nvidia_icd.json"
+    icd.parent.mkdir(parents=True)
+    icd.write_text("{}")
+    assert "/usr/share/vulkan/icd.d/nvidia_icd.json" in [f.name for f in inventory(machine, cfg).graphics]
+    wayland2 = machine.root / "usr/share/egl/egl_external_platform.d/09_nvidia_wayland2.json"   # an existing directory
+    wayland2.write_text("{}")
+    assert "/usr/share/egl/egl_external_platform.d/09_nvidia_wayland2.json" in [
+        f.name for f in inventory(machine, cfg).graphics]
+    (machine.root / before.gpus[1].dri[1].path.lstrip("/")).unlink()
+    assert [n.path for n in inventory(machine, cfg).gpus[1].dri] == [before.gpus[1].dri[0].path]
+    bus = before.gpus[0].bus_id[4:]
+    shutil.rmtree(machine.root / f"sys/devices/pci0000:00/{bus}/drm")
+    assert inventory(machine, cfg).gpus[0].dri == ()
+
+
 def test_a_change_of_path_is_another_entry(machine, cache_dir, monkeypatch):
     cfg = config_for(machine, cache_dir)
     inventory(machine, cfg)

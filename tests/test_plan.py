@@ -192,6 +192,20 @@ def test_mig_config_all_exposes_every_mig_minor(mig):
     assert any(m.target == "/proc/driver/nvidia/capabilities" for m in plan.mounts)
 
 
+def test_mig_config_and_monitor_bind_the_caps_directory_only(mig):
+    """Upstream (issue 15.7): /dev/nvidia-caps is bound whole and its config and monitor nodes
+    are allowed in the cgroup; they are not bound a second time on top of the directory."""
+    machine, inv, _ = mig
+    plan = plan_of({"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_MIG_CONFIG_DEVICES": "all",
+                    "NVIDIA_MIG_MONITOR_DEVICES": "all"}, mig, privileged=True)
+    caps = [m for m in plan.mounts if m.target.startswith("/dev/nvidia-caps")]
+    assert [(m.source, m.target, m.kind) for m in caps] == [
+        (f"{machine.root}/dev/nvidia-caps", "/dev/nvidia-caps", "dir")]
+    assert not [d for d in plan.devices if d.path.startswith("/dev/nvidia-caps")]
+    assert {f"c {machine.caps_major}:1 rw", f"c {machine.caps_major}:2 rw"} <= set(plan.cgroup_rules)
+    assert (inv.mig.config_cap.minor, inv.mig.monitor_cap.minor) == (1, 2)
+
+
 def test_requirements_are_checked_per_gpu(two):
     ok = plan_of({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_REQUIRE_CUDA": "cuda>=12.4"}, two)
     assert ok.gpu

@@ -39,6 +39,8 @@ def dev_mount(name, source="/dev/null"):
     ("0,all", True, "all"),                 # first all/none decides
     ("0,none,all", True, ()),
     ("all,none", True, "all"),
+    ("ALL", True, "all"),                   # upstream's cli compares "all" without case (issue 15.8)
+    ("0,All", True, "all"),
     ("0", True, ("0",)),
     (" 1 , 0,,1, 0 ", True, ("1", "0")),    # trimmed, empties dropped, duplicates folded in order
     ("GPU-5f8e1a2b-1111-2222-3333-444455556666,0000:07:00.0,0:1", True,
@@ -173,6 +175,7 @@ def test_capabilities(value, supported, caps):
 @pytest.mark.parametrize("value, supported", [
     ("none", CAPABILITIES), ("compute,gpu", CAPABILITIES), ("Compute", CAPABILITIES),
     ("compute,video", ("compute", "utility")),
+    ("all,bogus", CAPABILITIES), ("bogus,all", CAPABILITIES),   # "all" does not hide an unknown name (15.9)
 ])
 def test_capabilities_unsupported(value, supported):
     err = env_error({"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": value},
@@ -295,7 +298,11 @@ def test_unprivileged_envvar_policy():
     ({"DOCKER_RESOURCE_GPU": "GPU-aa", "OTHER": "GPU-bb,GPU-aa"}, ("GPU-aa", "GPU-bb")),
     ({"OTHER": "1"}, ("1",)),
     ({"NVIDIA_VISIBLE_DEVICES": "all"}, "all"),
-    ({"DOCKER_RESOURCE_GPU": "", "NVIDIA_VISIBLE_DEVICES": "all"}, None),   # set but empty: no GPU
+    # set but empty counts as unset (issue 15.10; upstream takes the GPUs away)
+    ({"DOCKER_RESOURCE_GPU": "", "NVIDIA_VISIBLE_DEVICES": "all"}, "all"),
+    ({"DOCKER_RESOURCE_GPU": " , ", "OTHER": "", "NVIDIA_VISIBLE_DEVICES": "0"}, ("0",)),
+    ({"DOCKER_RESOURCE_GPU": "", "OTHER": "1"}, ("1",)),
+    ({"DOCKER_RESOURCE_GPU": "void", "NVIDIA_VISIBLE_DEVICES": "all"}, None),
 ])
 def test_swarm_resource_precedence(env, devices):
     r = env_request(env, Config(swarm_resource=("DOCKER_RESOURCE_GPU", "OTHER")))
@@ -376,6 +383,7 @@ def test_options_no_device_is_driver_only():
 
 def test_options_all_stops_parsing():
     assert request_from_options(devices=["0,all,junk!"]).devices == "all"
+    assert request_from_options(devices=["0", "ALL"]).devices == "all"
     with pytest.raises(NvcError, match="--device: 'junk!': unknown device"):
         request_from_options(devices=["junk!,all"])
 

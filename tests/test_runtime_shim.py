@@ -216,6 +216,27 @@ def test_mig_and_imex_nodes_come_from_the_plan(fake_machine_factory):
     assert "/dev/nvidia0" in paths and any(p.startswith("/dev/nvidia-caps/nvidia-cap") for p in paths)
 
 
+def test_graphics_dri_nodes_and_caps_rules_come_from_the_plan(two, fake_machine_factory):
+    """The DRI nodes of a graphics container's GPU are the runtime's own devices and rules
+    (issue 15.13); mig-config's nodes are reached through the /dev/nvidia-caps mount, so only
+    their rules are written (issue 15.7)."""
+    machine, inv = two
+    card, render = machine.description()["gpus"][1]["dri"]
+    result = edit.edit(spec_bytes(["NVIDIA_VISIBLE_DEVICES=1", "NVIDIA_DRIVER_CAPABILITIES=graphics,display"]), "/b",
+                       Config(), Machine(inv))
+    spec = json.loads(result.data)
+    dri = [(d["path"], d["major"], d["minor"]) for d in spec["linux"]["devices"] if d["path"].startswith("/dev/dri/")]
+    assert dri == [(n["path"], 226, n["minor"]) for n in (card, render)]
+    rules = spec["linux"]["resources"]["devices"]
+    assert {"allow": True, "type": "c", "major": 226, "minor": render["minor"], "access": "rw"} in rules
+    m = fake_machine_factory(FakeSpec(gpus=2, mig=True))
+    mig_inv = build_inventory(str(m.root), proc=str(m.proc))
+    privileged = spec_bytes(["NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_MIG_CONFIG_DEVICES=all"], caps=("CAP_SYS_ADMIN",))
+    spec = json.loads(edit.edit(privileged, "/b", Config(), Machine(mig_inv)).data)
+    assert not [d for d in spec["linux"]["devices"] if d["path"].startswith("/dev/nvidia-caps")]
+    assert {"allow": True, "type": "c", "major": m.caps_major, "minor": 1, "access": "rw"} in spec["linux"]["resources"]["devices"]
+
+
 @pytest.mark.parametrize("spec, message", [
     (b'{"ociVersion": "1", "root": {"path": "r"}, "process": {"env": ["NVIDIA_VISIBLE_DEVICES=0"]}, "hooks": []}',
      "config.json: hooks: expected an object"),

@@ -162,7 +162,10 @@ def test_plan_binds_the_volume_instead_of_files(two):
     assert vol.options == ("ro", "nosuid", "nodev")
     assert not [m for m in plan.mounts if m.target.startswith(("/usr/lib/x86_64", "/usr/lib/i386", "/usr/bin"))]
     assert any(m.target.startswith("/usr/lib/firmware/") for m in plan.mounts)   # the rest as usual
-    assert plan.symlinks == ()
+    # the volume has the libraries' links and stands for the graphics files too; the devices are
+    # as usual, GPU 1's DRI nodes and their by-path links included
+    assert [s.link for s in plan.symlinks] == [f"/dev/dri/by-path/pci-0000:0f:00.0-{k}" for k in ("card", "render")]
+    assert not [m for m in plan.mounts if m.target.startswith(("/etc/vulkan", "/usr/share", "/usr/lib/xorg"))]
     assert plan.ldconfig.directories == ("/usr/local/nvidia/lib64", "/usr/local/nvidia/lib")
     assert [d.path for d in plan.devices if d.path.startswith("/dev/nvidia") and d.path[11:].isdigit()] \
         == ["/dev/nvidia1"]

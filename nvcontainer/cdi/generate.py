@@ -18,6 +18,7 @@ covered, which is what keeps NVML from re-creating device nodes).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -44,6 +45,9 @@ HOOK_STAGE = "createRuntime"
 # the container's (CVE-2025-23266: an image's LD_PRELOAD ran in a createContainer hook).
 HOOK_ENV = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",)
 HOOK_PROGRAM = "nvcontainer-hook"
+# A runtime without a hook timeout waits for ever (SECURITY §4.4); past the hook's own deadline,
+# so the hook reports first, by the margin setup gives its registrations.
+TIMEOUT_MARGIN = 30
 # CDI mounts are recursive binds kept private to the container (REFERENCE §4.3).
 BIND_OPTIONS = ("rbind", "rprivate")
 VOID_ENV = "NVIDIA_VISIBLE_DEVICES=void"
@@ -60,6 +64,7 @@ class Options:
     all_device: bool = True
     ldconfig: str = "/sbin/ldconfig"
     allow: object = None   # selection.AllowList: the node's allowed-devices (None: every device)
+    deadline: float = 20.0   # the configuration's deadline: each hook's timeout is this plus TIMEOUT_MARGIN
 
 
 def generate(inv: Inventory, opts: Options) -> Spec:
@@ -82,21 +87,28 @@ def generate(inv: Inventory, opts: Options) -> Spec:
     units = list(_units(inv, opts.allow))
     if not units:
         raise NvcError("cdi", "allowed-devices permits no device on this node: a CDI spec needs at least one")
+    every_link: dict[str, str] = {}
     for gpu, mig in units:
         token = f"{gpu.index}:{mig.index}" if mig else str(gpu.index)
-        plan = build_plan(Request(gpu=True, devices=(token,)), inv, facts, HostProc(), rootfs="/")
+        plan = build_plan(Request(gpu=True, devices=(token,), capabilities=CAPABILITIES), inv, facts, HostProc(),
+                          rootfs="/")
         nodes = tuple(_node(d) for d in plan.devices if d.path not in shared)
+        # the device's own links (its DRI nodes' by-path names), made by a hook of the device
+        links = {s.link: s.target for s in plan.symlinks if s not in common.symlinks}
+        hooks = (_hook(opts, "create-symlinks", *_link_args(links)),) if links else ()
         for name in dict.fromkeys(device_names(gpu, mig, opts.strategies)):
             if not valid_device_name(name):
                 raise NvcError("cdi", f"device name {escape(name, 80)} is not a valid CDI name")
-            devices.append(Device(name, Edits(device_nodes=nodes)))
+            devices.append(Device(name, Edits(device_nodes=nodes, hooks=hooks)))
         for node in nodes:
             every.setdefault(node.path, node)
+        every_link.update(links)
     if opts.all_device and "all" not in {d.name for d in devices}:
-        devices.append(Device("all", Edits(device_nodes=tuple(every.values()))))
+        hooks = (_hook(opts, "create-symlinks", *_link_args(every_link)),) if every_link else ()
+        devices.append(Device("all", Edits(device_nodes=tuple(every.values()), hooks=hooks)))
 
     root = inv.root.rstrip("/")
-    mounts = _mounts(common, root)
+    mounts = _mounts(common, root, {f.name for f in inv.graphics if f.kind != "library"})
     hooks = _hooks(common, inv, opts, mounts)
     edits = Edits(
         env=(VOID_ENV,),
@@ -105,6 +117,10 @@ def generate(inv: Inventory, opts: Options) -> Spec:
         hooks=hooks,
     )
     return Spec(kind=kind, devices=tuple(devices), edits=edits)
+
+
+def hook_timeout(opts: Options) -> int:
+    return math.ceil(opts.deadline) + TIMEOUT_MARGIN
 
 
 def device_names(gpu: Gpu, mig: MigDevice | None, strategies) -> list[str]:
@@ -149,30 +165,38 @@ def _in_container(source: str, root: str) -> str:
     return source[len(root):] if root and source.startswith(root + "/") else source
 
 
-def _mounts(plan: Plan, root: str) -> dict[str, Mount]:
-    """The plan's mounts of driver files, by plan target, each at its host path minus the root.
+def _mounts(plan: Plan, root: str, same_path: set[str]) -> dict[str, Mount]:
+    """The plan's mounts of driver files, by plan target, each at its host path minus the root,
+    but for the Vulkan, EGL and Xorg files (``same_path``), which go where loaders look for
+    them, as the plan has them (the host file may be a link to somewhere else).
     The plan's ``/proc`` binds are the hook path's private procfs copy, which CDI has not."""
     out: dict[str, Mount] = {}
     for m in plan.mounts:
         if m.target.startswith("/proc/"):
             continue
-        out[m.target] = Mount(m.source, _in_container(m.source, root), m.options + BIND_OPTIONS)
+        container = m.target if m.target in same_path else _in_container(m.source, root)
+        out[m.target] = Mount(m.source, container, m.options + BIND_OPTIONS)
     return out
 
 
-def _hooks(plan: Plan, inv: Inventory, opts: Options, mounts: dict[str, Mount]) -> tuple[Hook, ...]:
-    def hook(*args: str) -> Hook:
-        return Hook(HOOK_STAGE, opts.hook_path, (HOOK_PROGRAM, *args), HOOK_ENV)
+def _hook(opts: Options, *args: str) -> Hook:
+    return Hook(HOOK_STAGE, opts.hook_path, (HOOK_PROGRAM, *args), HOOK_ENV, hook_timeout(opts))
 
+
+def _link_args(links: dict[str, str]) -> list[str]:
+    return [arg for link, target in links.items() for arg in ("--link", f"{target}::{link}")]
+
+
+def _hooks(plan: Plan, inv: Inventory, opts: Options, mounts: dict[str, Mount]) -> tuple[Hook, ...]:
     hooks = []
     links = _links(plan, mounts)
     if links:
-        hooks.append(hook("create-symlinks", *[arg for target, link in links for arg in ("--link", f"{target}::{link}")]))
+        hooks.append(_hook(opts, "create-symlinks", *_link_args({link: target for target, link in links})))
     folders = list(plan.ldconfig.directories if plan.ldconfig else ())
     folders += [os.path.dirname(lib.path) for lib in (*inv.libraries, *inv.libraries32)]
     ld_args = [arg for folder in dict.fromkeys(folders) for arg in ("--folder", folder)]
-    hooks.append(hook("update-ldcache", *ld_args, "--ldconfig-path", opts.ldconfig))
-    hooks.append(hook("disable-device-node-modification"))
+    hooks.append(_hook(opts, "update-ldcache", *ld_args, "--ldconfig-path", opts.ldconfig))
+    hooks.append(_hook(opts, "disable-device-node-modification"))
     return tuple(hooks)
 
 

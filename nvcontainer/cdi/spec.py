@@ -65,6 +65,7 @@ class Hook:
     path: str
     args: tuple[str, ...] = ()
     env: tuple[str, ...] = ()
+    timeout: int | None = None   # seconds; the runtime kills the hook after it (none: it waits forever)
 
     def to_dict(self) -> dict:
         out: dict = {"hookName": self.hook_name, "path": self.path}
@@ -72,6 +73,8 @@ class Hook:
             out["args"] = list(self.args)
         if self.env:
             out["env"] = list(self.env)
+        if self.timeout is not None:
+            out["timeout"] = self.timeout
         return out
 
 
@@ -230,7 +233,7 @@ def _edits(edits: object, where: str) -> None:
         raise NvcError("cdi", f"{where}: expected a mapping")
     for key, fields in (("deviceNodes", {"path": str, "hostPath": str, "major": int, "minor": int, "type": str}),
                         ("mounts", {"hostPath": str, "containerPath": str}),
-                        ("hooks", {"hookName": str, "path": str})):
+                        ("hooks", {"hookName": str, "path": str, "timeout": int})):
         items = edits.get(key)
         if items is None:
             continue

@@ -36,7 +36,7 @@ def cdi_generate(obj: Context, output, fmt, strategies, vendor, cls, no_all_devi
     opts = generate.Options(
         hook_path=hook, vendor=vendor, cls=cls,
         strategies=tuple(dict.fromkeys(strategies)) or generate.DEFAULT_STRATEGIES, all_device=not no_all_device,
-        ldconfig=obj.config.ldconfig_program(), allow=obj.allow_list(inv),
+        ldconfig=obj.config.ldconfig_program(), allow=obj.allow_list(inv), deadline=obj.config.deadline,
     )
     text = commands.generate_spec(inv, opts, store.format_for(output, fmt), output)
     if text is not None:

@@ -82,6 +82,8 @@ class ListOptions:
     no_persistenced: bool = False
     no_fabricmanager: bool = False
     no_gsp_firmware: bool = False
+    graphics: bool = False
+    display: bool = False
 
 
 def list_sections(inv: Inventory, sel: Selection, opts: ListOptions) -> dict[str, list[str]]:
@@ -92,25 +94,23 @@ def list_sections(inv: Inventory, sel: Selection, opts: ListOptions) -> dict[str
         devices += [g.node.path for g in sel.gpus]
         if not (opts.mig_config or opts.mig_monitor):
             for m in sel.migs:
-                for access, cap in ((m.gi_access, m.gi_cap), (m.ci_access, m.ci_cap)):
-                    devices.append(access)
-                    if cap is not None:
-                        devices.append(cap.path)
+                # both access files, then the nodes behind them (upstream's order)
+                devices += [m.gi_access, m.ci_access]
+                devices += [cap.path for cap in (m.gi_cap, m.ci_cap) if cap is not None]
     imex = [f"/dev/nvidia-caps-imex-channels/channel{c}" for c in opts.imex_channels]
     mig = []
+    capable = [g for g in sel.gpus if g.mig_capable]
     for wanted, path, cap in (
         (opts.mig_config, inv.mig.config, inv.mig.config_cap),
         (opts.mig_monitor, inv.mig.monitor, inv.mig.monitor_cap),
     ):
-        if not wanted or not path:
+        if not wanted or not path or not capable:   # upstream: only for selected MIG-capable GPUs
             continue
         mig.append(path)
         if cap is not None:
             mig.append(cap.path)
-        for g in sel.gpus:
-            if not g.mig_capable:
-                continue
-            mig.append(f"/proc/driver/nvidia/capabilities/gpu{g.minor}/mig")
+        for g in capable:
+            mig.append(f"/proc/driver/nvidia/capabilities/gpu{g.minor}")
             if inv.caps_major is not None:
                 mig.append("/dev/nvidia-caps")
                 prefix = f"gpu{g.minor}/"
@@ -120,6 +120,13 @@ def list_sections(inv: Inventory, sel: Selection, opts: ListOptions) -> dict[str
     libraries32 = [lib.path for lib in inv.libraries32] if opts.libraries and opts.compat32 else []
     ipcs = [i.path for i in inv.ipcs if _wanted(i, opts)] if opts.ipcs else []
     firmwares = [f.path for f in inv.firmwares] if opts.firmwares and not opts.no_gsp_firmware else []
+    graphics = []
+    if opts.graphics or opts.display:   # not upstream's: a section of our own, last
+        if opts.devices:
+            graphics += [n.path for g in sel.whole_gpus() for n in g.dri]
+        # files at the path loaders look them up and the container gets them; libraries as they are
+        graphics += [f.path if f.kind == "library" else f.name for f in inv.graphics
+                     if f.group == "graphics" or opts.display]
     return {
         "devices": devices,
         "imex_channels": imex,
@@ -129,6 +136,7 @@ def list_sections(inv: Inventory, sel: Selection, opts: ListOptions) -> dict[str
         "libraries32": libraries32,
         "ipcs": ipcs,
         "firmwares": firmwares,
+        "graphics": graphics,
     }
 
 

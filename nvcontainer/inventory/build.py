@@ -12,7 +12,7 @@ import os
 from .. import log
 from ..errors import NvcError, escape
 from ..fs.inroot import resolve_in_root
-from . import devices, files, ldcache, libraries, nvml, procfs
+from . import devices, files, graphics, ldcache, libraries, nvml, procfs
 from .catalog import DEFAULT_PATH, MPS_PIPE_DIRECTORY, brand_name
 from .model import Gpu, Inventory, MigControl, MigDevice
 
@@ -35,7 +35,7 @@ def build(
     inventory cache's stored answers)."""
     root = os.path.abspath(root)
     if not os.path.isdir(root):
-        raise NvcError("input", f"driver root {escape(root)}: not a directory")
+        raise NvcError("initialization", f"driver root {escape(root)}: not a directory")
     entries = read_cache(root, ldcache_path)
     arch64, arch32 = ldcache.native_arches()
     entries64 = ldcache.entries_for_arch(entries, arch64)
@@ -61,6 +61,7 @@ def build(
     gpus = tuple(_gpu(g, root, proc, caps_major) for g in facts["gpus"])
     log.info(f"driver {version}, {len(gpus)} GPU(s)")
 
+    libs64 = tuple(libraries.select(entries64, root, version))
     return Inventory(
         root=root,
         driver_version=version,
@@ -76,11 +77,12 @@ def build(
             monitor_cap=devices.cap_node(root, caps_major, procfs.cap_minor(proc, MIG_MONITOR)),
         ),
         mig_minors=procfs.mig_minors(proc),
-        libraries=tuple(libraries.select(entries64, root, version)),
+        libraries=libs64,
         libraries32=tuple(libraries.select(entries32, root, version, label="compat32 ")),
         binaries=tuple(files.binaries(root, search_path or os.environ.get("PATH") or DEFAULT_PATH)),
         ipcs=tuple(files.ipcs(root, mps_dir or os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DIRECTORY)),
         firmwares=tuple(files.firmwares(root, version)),
+        graphics=tuple(graphics.files(root, version, entries64, libs64)),
     )
 
 
@@ -147,15 +149,17 @@ def _gpu(g: dict, root: str, proc: str, caps_major: int | None) -> Gpu:
             ci_cap=devices.cap_node(root, caps_major, procfs.cap_minor(proc, ci_access)),
             name=m["name"],
         ))
+    bus_id = f"{domain:08x}:{bus:02x}:{device:02x}.0"
     return Gpu(
         index=g["index"],
         minor=minor,
         model=g["name"],
         brand=brand_name(g["brand"]),
         uuid=g["uuid"],
-        bus_id=f"{domain:08x}:{bus:02x}:{device:02x}.0",
+        bus_id=bus_id,
         arch=f"{g['cc'][0]}.{g['cc'][1]}",
         mig_capable=g["mig_capable"],
         mig_enabled=g["mig_enabled"],
         migs=tuple(migs),
+        dri=graphics.dri_nodes(root, bus_id),
     )

@@ -166,6 +166,7 @@ def _host(root: str, path: str) -> str:
 def watch_paths(inventory: Inventory, inputs: dict) -> list[str]:
     """Host paths whose change may change the inventory (present or not), without duplicates."""
     from ..fs.inroot import resolve_in_root
+    from . import graphics   # only on a miss: the hook's cache hit imports no inventory reader
 
     root = inputs["root"]
     wanted: list[str] = []
@@ -194,6 +195,8 @@ def watch_paths(inventory: Inventory, inputs: dict) -> list[str]:
         add(path)
     for node in _cap_nodes(inventory):
         add(node.path)
+    for path in graphics.watched(inventory):   # config files, Xorg modules, sysfs drm, DRI nodes
+        add(path)
     return list(dict.fromkeys(wanted))
 
 

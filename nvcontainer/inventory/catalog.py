@@ -27,6 +27,9 @@ LIBRARY_PREFIXES: dict[str, tuple[str, ...]] = {
         "libnvidia-nvvm.so",
         "libnvidia-tileiras.so",
     ),
+    # upstream looks libraries up (and lists them) in this order: utility, compute, ngx, video,
+    # graphics (nvc_info.c's lookup_libraries), so the NGX library comes right after compute
+    "ngx": ("libnvidia-ngx.so",),
     "video": (
         "libvdpau_nvidia.so",
         "libnvidia-encode.so",
@@ -50,7 +53,6 @@ LIBRARY_PREFIXES: dict[str, tuple[str, ...]] = {
         "libnvidia-glvkspirv.so",
         "libnvidia-cbl.so",
     ),
-    "ngx": ("libnvidia-ngx.so",),
 }
 
 # The order in which libraries are listed: the order of the prefix tables above.

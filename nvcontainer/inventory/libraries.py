@@ -80,11 +80,11 @@ def _check(root: str, real: str, prefix: str, group: str, version: str) -> Drive
         group=group,
         name=prefix,
         soname=facts.soname,
-        links=_host_links(root, real, prefix, facts.soname),
+        links=host_links(root, real, prefix, facts.soname),
     )
 
 
-def _host_links(root: str, real: str, prefix: str, soname: str) -> tuple[tuple[str, str], ...]:
+def host_links(root: str, real: str, prefix: str, soname: str) -> tuple[tuple[str, str], ...]:
     """The SONAME and ``.so`` links next to ``real`` on the host that lead to it.
 
     Containers get exactly these (libnvidia-container#292): a link is only recorded when the

@@ -53,6 +53,7 @@ class Gpu:
     mig_capable: bool = False
     mig_enabled: bool = False
     migs: tuple[MigDevice, ...] = ()
+    dri: tuple[DeviceNode, ...] = ()   # /dev/dri/card*, renderD* of its PCI device (graphics, display)
 
     @property
     def node(self) -> DeviceNode:
@@ -73,7 +74,7 @@ class DriverFile:
     name: str = ""           # the prefix or name that found it (libcuda.so, nvidia-smi, ...)
     soname: str = ""
     links: tuple[tuple[str, str], ...] = ()
-    kind: str = ""           # for IPC entries: "socket" or "dir"
+    kind: str = ""           # IPC: "socket" or "dir"; graphics: "config", "module" (at ``name``) or "library"
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ class Inventory:
     binaries: tuple[DriverFile, ...] = ()
     ipcs: tuple[DriverFile, ...] = ()
     firmwares: tuple[DriverFile, ...] = ()
+    # Vulkan/EGL configuration, EGL platform libraries, Xorg modules (graphics.py): not upstream's list
+    graphics: tuple[DriverFile, ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)

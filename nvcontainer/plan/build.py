@@ -1,8 +1,8 @@
 """Request + inventory + container facts → the plan. Pure: no I/O, no clock, no randomness.
 
 The order of the plan is the order of application (REFERENCE §1.4, step 6): procfs, the
-graphics application profile, binaries, libraries, firmware, IPC, device nodes, symlinks,
-files, then the linker cache. Every device node in the plan gets exactly one cgroup rule, and
+graphics application profile, binaries, libraries, graphics and display files, firmware, IPC,
+device nodes, symlinks, files, then the linker cache. Every device node in the plan gets exactly one cgroup rule, and
 nothing else does.
 """
 
@@ -98,6 +98,14 @@ def build_plan(
                for lib in libs]
     mounts += [Mount(host(lib.path), f"{container.libs32_dir}/{os.path.basename(lib.path)}", LIBRARY_OPTIONS)
                for lib in libs32]
+    # a legacy image's driver volume stands for every driver file: these too (its devices stay)
+    gfx = [f for f in inv.graphics if not request.driver_volume
+           and (f.group in libgroups or (f.group == "display" and "display" in caps))]
+    gfx_libs = [f for f in gfx if f.kind == "library"]
+    gfx_files = [f for f in gfx if f.kind != "library"]
+    mounts += [Mount(host(f.path), f"{container.libs_dir}/{os.path.basename(f.path)}", LIBRARY_OPTIONS)
+               for f in gfx_libs]
+    mounts += [Mount(host(f.path), f.name, LIBRARY_OPTIONS) for f in gfx_files]   # where loaders look
     if not options.no_gsp_firmware:
         mounts += [Mount(host(f.path), f.path, LIBRARY_OPTIONS) for f in inv.firmwares]
     mounts += [Mount(host(i.path), i.path, IPC_OPTIONS, kind=i.kind or "socket")
@@ -107,8 +115,10 @@ def build_plan(
         if _ctl_wanted(node, inv, libgroups, caps):
             devices.append(_device(host, node))
     devices += [_device(host, g.node) for g in sel.gpus]
+    dri = [(g, node) for g in sel.whole_gpus() for node in g.dri] if "graphics" in libgroups else []
+    devices += [_device(host, node) for _, node in dri]
     if mig_all:
-        mounts += _mig_control(request, inv, sel, host, devices, extra_rules)
+        mounts += _mig_control(request, inv, sel, host, extra_rules)
     else:
         for mig in sel.migs:
             for cap in (mig.gi_cap, mig.ci_cap):
@@ -118,6 +128,9 @@ def build_plan(
 
     symlinks = _symlinks(libs, container.libs_dir, libgroups, inv.driver_version)
     symlinks += _symlinks(libs32, container.libs32_dir, frozenset(), inv.driver_version)
+    symlinks += _symlinks(gfx_libs, container.libs_dir, frozenset(), inv.driver_version)
+    symlinks += [Symlink(f"{os.path.dirname(f.name)}/{name}", target) for f in gfx_files for name, target in f.links]
+    symlinks += [_by_path(g, node) for g, node in dri]
     files, compat_dirs = _compat(container, inv.driver_version, options.cuda_compat_mode, "compute" in libgroups)
 
     ld_dirs = [*compat_dirs, *lib_dirs]
@@ -256,9 +269,12 @@ def _app_profile(gpus: tuple[Gpu, ...]) -> Tmpfs:
     return Tmpfs(APP_PROFILE_DIR, (File(f"{APP_PROFILE_DIR}/10-container.conf", content),))
 
 
-def _mig_control(request: Request, inv: Inventory, sel: Selection, host: _Host,
-                 devices: list[Device], rules: list[str]) -> list[Mount]:
-    """mig-config / mig-monitor = all: the capabilities tree, /dev/nvidia-caps, every MIG minor."""
+def _mig_control(request: Request, inv: Inventory, sel: Selection, host: _Host, rules: list[str]) -> list[Mount]:
+    """mig-config / mig-monitor = all: the capabilities tree, /dev/nvidia-caps, every MIG minor.
+
+    As upstream: the whole /dev/nvidia-caps directory is bound, and the config (minor 1) and
+    monitor (minor 2) nodes are allowed in the cgroup, not bound once more on top of it; the
+    directory already holds them (docs/plan.md says why nothing needs the extra binds)."""
     mounts = [Mount("/proc/driver/nvidia/capabilities", "/proc/driver/nvidia/capabilities", PROC_OPTIONS, kind="dir")]
     if inv.caps_major is None:
         raise NvcError("mig-config" if request.mig_config else "mig-monitor",
@@ -266,13 +282,21 @@ def _mig_control(request: Request, inv: Inventory, sel: Selection, host: _Host,
     mounts.append(Mount(host("/dev/nvidia-caps"), "/dev/nvidia-caps", ("nosuid", "noexec"), kind="dir"))
     for wanted, cap in ((request.mig_config, inv.mig.config_cap), (request.mig_monitor, inv.mig.monitor_cap)):
         if wanted and cap is not None:
-            devices.append(_device(host, cap))
+            rules.append(cap.rule)
     for g in sel.gpus:
         if not g.mig_capable:
             continue
         prefix = f"gpu{g.minor}/"
         rules += [f"c {inv.caps_major}:{minor} rw" for name, minor in inv.mig_minors if name.startswith(prefix)]
     return mounts
+
+
+def _by_path(gpu: Gpu, node: DeviceNode) -> Symlink:
+    """udev's ``/dev/dri/by-path`` name of a DRI node, which some Vulkan and Wayland code opens:
+    ``pci-0000:07:00.0-card -> ../card1``, ``pci-0000:07:00.0-render -> ../renderD129``."""
+    name = os.path.basename(node.path)
+    kind = "card" if name.startswith("card") else "render"
+    return Symlink(f"/dev/dri/by-path/pci-{gpu.bus_id[4:]}-{kind}", f"../{name}")
 
 
 def _imex(request: Request, inv: Inventory, host: _Host) -> list[Device]:

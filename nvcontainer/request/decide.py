@@ -144,7 +144,9 @@ def _decide(tokens: list[str]) -> str | list[str] | None:
     if not tokens or "void" in tokens:
         return None
     for token in tokens:
-        if token in ("all", "none"):
+        if token.lower() == "all":   # nvidia-container-cli compares "all" without case
+            return "all"
+        if token == "none":
             return token
     return tokens
 
@@ -191,8 +193,12 @@ def _mount_requests(mounts: Iterable["Mount"]) -> tuple[list[str], list[str]]:
 
 
 def _env_devices(env: _Env, config: "Config", legacy: bool) -> tuple[list[str], str]:
-    """The device tokens the environment asks for, and the variable names they came from."""
-    names = [n for n in config.swarm_resource if n in env] or [VISIBLE_DEVICES]
+    """The device tokens the environment asks for, and the variable names they came from.
+
+    A swarm resource variable that is set but names nothing (empty, or only commas and blanks)
+    counts as unset: upstream lets it replace NVIDIA_VISIBLE_DEVICES and so takes the GPUs away
+    from a container that asked for ``all``."""
+    names = [n for n in config.swarm_resource if _split(env.get(n) or "")] or [VISIBLE_DEVICES]
     tokens: list[str] = []
     for name in names:
         value = env.get(name)
@@ -211,11 +217,12 @@ def _capabilities(env: _Env, config: "Config", legacy: bool) -> tuple[str, ...]:
     wanted = _split(value or "")
     if not wanted:
         return tuple(sorted(set(supported) & set(DEFAULT_CAPABILITIES)))
-    if "all" in wanted:
-        return tuple(sorted(supported))
-    if any(c not in supported for c in wanted):
+    # an unknown name is an error even beside "all" (upstream lets "all" hide it)
+    if any(c not in supported and c != "all" for c in wanted):
         raise NvcError("input", f"unsupported capabilities found in '{escape(value, 120)}' "
                                 f"(allowed '{','.join(sorted(supported))}')")
+    if "all" in wanted:
+        return tuple(sorted(supported))
     return tuple(sorted(set(wanted)))
 
 
@@ -342,9 +349,10 @@ def request_from_options(*, devices: Iterable[str] = (), capabilities: Iterable[
     for value in devices:
         tokens += _split(value)
     selected: tuple[str, ...] | str = ()
-    if "all" in tokens:
+    folded = [t.lower() for t in tokens]
+    if "all" in folded:   # compared without case, as upstream's parser does
         selected = "all"
-        tokens = tokens[:tokens.index("all")]
+        tokens = tokens[:folded.index("all")]
     ids = _device_ids(tokens, "--device")
     caps = set(capabilities)
     unknown = caps - set(CAPABILITIES)

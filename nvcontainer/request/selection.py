@@ -30,6 +30,10 @@ class Selection:
     gpus: tuple[Gpu, ...] = ()
     migs: tuple[MigDevice, ...] = ()
     all: bool = False
+    whole: tuple[int, ...] = ()   # indexes of the GPUs named themselves (or by all), not only as a MIG parent
+
+    def whole_gpus(self) -> tuple[Gpu, ...]:
+        return tuple(g for g in self.gpus if g.index in self.whole)
 
 
 @dataclass(frozen=True)
@@ -97,12 +101,15 @@ def select(inventory: Inventory, tokens: list[str], allow: AllowList | None = No
     """``all`` is every device ``allow`` permits; any other token outside it is refused."""
     gpus: dict[int, Gpu] = {}
     migs: dict[tuple[int, int], MigDevice] = {}
+    whole: set[int] = set()
     for token in tokens:
-        if token == "all":
+        if token.lower() == "all":   # upstream compares "all" without case
+            gpus = tuple(g for g in inventory.gpus if allow is None or allow.touches(g))
             return Selection(
-                gpus=tuple(g for g in inventory.gpus if allow is None or allow.touches(g)),
+                gpus=gpus,
                 migs=tuple(m for g in inventory.gpus for m in g.migs if allow is None or allow.permits(g, m)),
                 all=True,
+                whole=tuple(g.index for g in gpus if allow is None or allow.permits(g)),
             )
         gpu, mig = _match(inventory, token)
         if allow is not None and not allow.permits(gpu, mig):
@@ -110,10 +117,13 @@ def select(inventory: Inventory, tokens: list[str], allow: AllowList | None = No
         if mig is not None:
             migs[(mig.parent, mig.index)] = mig
             gpu = inventory.gpus[mig.parent]
+        else:
+            whole.add(gpu.index)
         gpus[gpu.index] = gpu
     return Selection(
         gpus=tuple(gpus[i] for i in sorted(gpus)),
         migs=tuple(migs[k] for k in sorted(migs)),
+        whole=tuple(sorted(whole)),
     )
 
 
