@@ -473,3 +473,41 @@ def test_hook_dry_run_is_served_from_the_cache(machine, cache_dir, tmp_path):
     assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr
     assert runs[0].stdout == runs[1].stdout
     assert [d["path"] for d in json.loads(runs[1].stdout)["devices"]] == ["/dev/nvidiactl", "/dev/nvidia1"]
+
+
+def test_an_upgrade_of_nvcontainer_itself_is_a_miss(machine, cache_dir, tmp_path):
+    """Issue 15 item 12: two installs of the same version, the second with a changed inventory
+    module (a fixed library order, say). The old program's entry serves the old program again,
+    but never the new one, which builds its own (and meets the broken NVML)."""
+    repo = Path(__file__).resolve().parent.parent
+    trees = {}
+    for which in ("old", "new"):
+        trees[which] = tmp_path / which
+        shutil.copytree(repo / "nvcontainer", trees[which] / "nvcontainer",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    with open(trees["new"] / "nvcontainer/inventory/catalog.py", "a") as f:
+        f.write("# a change in the new release\n")
+    conf = tmp_path / "config.toml"
+    conf.write_text(f'[nvcontainer]\ncache-dir = "{cache_dir}"\n')
+
+    def info(which):
+        code = (f"import sys; sys.path.insert(0, {str(trees[which])!r}); import nvcontainer; "
+                f"assert nvcontainer.__file__.startswith({str(trees[which])!r}), nvcontainer.__file__; "
+                "from nvcontainer.cli.main import main; sys.exit(main())")
+        argv = [sys.executable, "-I", "-c", code, "--config", str(conf), "--root", str(machine.root), "info"]
+        return run_in_fake_proc(machine, argv, capture_output=True, text=True, timeout=60)
+
+    first = info("old")
+    assert first.returncode == 0, first.stderr
+    break_nvml(machine)
+    again = info("old")
+    assert (again.returncode, again.stdout) == (0, first.stdout), again.stderr   # same program: a hit
+    upgraded = info("new")
+    assert upgraded.returncode == 1 and "driver not loaded" in upgraded.stderr, upgraded.stdout + upgraded.stderr
+
+
+def test_the_program_stamp_is_part_of_the_inputs_but_not_of_the_name(machine, cache_dir):
+    cfg = config_for(machine, cache_dir)
+    inputs = cache._inputs(cfg)
+    assert inputs["program"] == cache.PROGRAM
+    assert cache.entry_name(inputs) == cache.entry_name({**inputs, "program": "another"})   # replaced, not joined

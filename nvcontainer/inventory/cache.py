@@ -11,7 +11,9 @@ every read:
 * the file: a regular file owned by us (root), mode 0600 or stricter, one link, opened without
   following symlinks from a directory owned by us with mode 0700, at most ``MAX_FILE`` bytes,
   JSON of exactly the inventory's shape;
-* the inputs: format, nvcontainer version, driver root, ld cache path, ``--user``, and the PATH
+* the inputs: format, nvcontainer version, the program (:data:`PROGRAM`: which code computed
+  the entry, so an upgrade, even one that keeps the version number, never serves what older
+  code found), driver root, ld cache path, ``--user``, and the PATH
   and MPS directory the files were searched in;
 * the machine: boot id, the text of ``/proc/driver/nvidia/version``, the ``nvidia`` lines of
   ``/proc/devices`` (majors), the GPUs under ``/proc/driver/nvidia/gpus`` and the names in the
@@ -48,6 +50,26 @@ from .catalog import DEFAULT_PATH, FABRICMANAGER_SOCKET, MPS_PIPE_DIRECTORY, PER
 from .model import DeviceNode, Inventory
 
 FORMAT = 1
+
+
+def _program_stamp() -> str:
+    """The identity of the code that builds an inventory: name, size and mtime of every module
+    of this package, as it was when this process imported it (an upgrade rewrites them; a
+    resident server keeps the stamp of the code it runs). Some twenty ``stat`` calls, once per
+    process: hashing the sources on every container start would cost more than the cache saves."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    parts = []
+    try:
+        for name in sorted(os.listdir(here)):
+            if name.endswith(".py"):
+                st = os.stat(os.path.join(here, name))
+                parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+    except OSError as exc:   # unreadable: a stamp no entry can match, so nothing stale is served
+        parts.append(f"unreadable:{exc.errno}:{os.getpid()}")
+    return f"{binascii.crc32(chr(10).join(parts).encode()):08x}-{len(parts)}"
+
+
+PROGRAM = _program_stamp()
 MAX_CAP_NAMES = 4096      # bound on the MIG capability tree walk
 
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
@@ -103,6 +125,7 @@ def _inputs(config) -> dict:
     return {
         "format": FORMAT,
         "version": __version__,
+        "program": PROGRAM,
         "root": os.path.abspath(config.root),
         "ldcache": config.ldcache,
         "user": config.user,
@@ -114,7 +137,7 @@ def _inputs(config) -> dict:
 def entry_name(inputs: dict) -> str:
     """One file per configuration; the boot and the version are checked inside, not named, so
     an entry is replaced rather than joined by a new one after a reboot or an upgrade."""
-    what = {k: v for k, v in inputs.items() if k not in ("format", "version")}
+    what = {k: v for k, v in inputs.items() if k not in ("format", "version", "program")}
     return f"{PREFIX}{binascii.crc32(json.dumps(what, sort_keys=True).encode()):08x}.json"
 
 
