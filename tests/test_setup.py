@@ -291,7 +291,7 @@ def test_crio_drop_in(tmp_path):
 def test_units_are_written_for_a_source_install_and_not_over_the_packages(tmp_path):
     run(tmp_path, "podman")
     socket = (tmp_path / "etc/systemd/system/nvcontainer-serve.socket").read_text()
-    assert "ListenStream=/run/nvcontainer/hook.sock\n" in socket and "SocketMode=0600\n" in socket
+    assert "ListenSequentialPacket=/run/nvcontainer/hook.sock\n" in socket and "SocketMode=0600\n" in socket
     service = (tmp_path / "etc/systemd/system/nvcontainer-serve.service").read_text()
     assert f"ExecStart={BIN}/nvcontainer serve --socket /run/nvcontainer/hook.sock\n" in service
     packaged = tmp_path / "pkg"

@@ -15,6 +15,60 @@ import stat
 from ..errors import NvcError, escape
 
 BACKLOG = 256
+LISTEN_FDS_START = 3   # sd_listen_fds(3): the first socket systemd passes
+
+
+def adopt(path: str) -> socket.socket | None:
+    """The socket systemd passed (``nvcontainer-serve.socket``: ``LISTEN_PID`` is us and
+    ``LISTEN_FDS`` is 1), or None when we were not socket-activated.
+
+    Why check it rather than take fd 3: the server runs every request as root, so the socket it
+    serves must be the one the hooks reach, set up as ``listen`` would set it up: a listening
+    ``AF_UNIX`` ``SOCK_SEQPACKET`` socket bound to ``path`` in a directory only root may write
+    to, itself 0600 (made so, if the activator left it looser: the directory is the gate).
+Anything else is an error naming what is wrong. The variables are removed,
+    so no child takes the socket for its own."""
+    pid, count = os.environ.get("LISTEN_PID"), os.environ.get("LISTEN_FDS")
+    if pid is None and count is None:
+        return None
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(name, None)
+    if pid != str(os.getpid()):
+        return None   # meant for the process that started us
+    if count != "1":
+        raise NvcError("input", f"LISTEN_FDS: expected 1 socket from systemd, got {escape(str(count))}")
+    try:
+        sock = socket.socket(fileno=LISTEN_FDS_START)
+    except OSError as exc:
+        raise NvcError("input", f"LISTEN_FDS: fd {LISTEN_FDS_START} is not a socket: {exc.strerror}") from None
+    try:
+        _check_adopted(sock, path)
+    except BaseException:
+        sock.detach()
+        raise
+    os.set_inheritable(sock.fileno(), False)
+    return sock
+
+
+def _check_adopted(sock: socket.socket, path: str) -> None:
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
+        raise NvcError("input", "LISTEN_FDS: the socket from systemd must be a unix seqpacket socket "
+                                "(ListenSequentialPacket=)")
+    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        raise NvcError("input", "LISTEN_FDS: the socket from systemd is not listening")
+    bound = sock.getsockname()
+    if bound != path:
+        raise NvcError("input", f"LISTEN_FDS: the socket from systemd is bound to {escape(str(bound))}, "
+                                f"not --socket {escape(path)}")
+    directory = os.path.dirname(path)
+    st, dst = os.lstat(path), os.lstat(directory)
+    if not stat.S_ISDIR(dst.st_mode) or dst.st_uid != os.geteuid() or dst.st_mode & 0o022:
+        raise NvcError("input", f"{escape(directory)} must be a directory of uid {os.geteuid()} "
+                                f"that nobody else may write to")
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        raise NvcError("input", f"{escape(path)}: the socket from systemd must be ours")
+    if st.st_mode & 0o077:   # SocketMode= says 0600; another activator may leave it looser
+        os.chmod(path, 0o600)
 
 
 def listen(path: str) -> socket.socket:

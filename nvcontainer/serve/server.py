@@ -40,7 +40,7 @@ import time
 
 from .. import log
 from ..errors import NvcError
-from .listen import listen
+from .listen import adopt, listen
 from .request import become_request_child, handle
 
 MAX_CHILDREN = 256
@@ -142,8 +142,9 @@ def serve(path: str, cfg, *, ready=None, spare: bool = True) -> int:
     The socket is bound before the imports and the inventory: a hook that comes during the
     warm-up (a node booting, NVML slow) waits in the backlog for a warm answer instead of
     finding nothing and running cold into the same NVML initialisation."""
-    sock = listen(path)
-    mine = os.stat(path)
+    adopted = adopt(path)   # socket activation: systemd owns the socket, and removes it
+    sock = adopted or listen(path)
+    mine = None if adopted else os.stat(path)
     try:
         preload()
         status = warm(cfg)
@@ -154,7 +155,7 @@ def serve(path: str, cfg, *, ready=None, spare: bool = True) -> int:
         sock.close()
         try:
             now = os.lstat(path)
-            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            if mine is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
                 os.unlink(path)
         except OSError:
             pass

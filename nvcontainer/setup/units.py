@@ -45,7 +45,7 @@ def serve_socket() -> str:
         f"Before={ENGINES}\n"
         "\n"
         "[Socket]\n"
-        f"ListenStream={SOCKET}\n"
+        f"ListenSequentialPacket={SOCKET}\n"
         "SocketUser=root\n"
         "SocketGroup=root\n"
         "SocketMode=0600\n"
