@@ -107,5 +107,5 @@ def test_every_native_program_has_a_build_target():
     from nvcontainer.native import build
 
     sources = sorted(p.name for p in (PACKAGE / "native").glob("*.c"))
-    targets = sorted(Path(s).name for s in (build.SOURCE, build.RUNTIME_SOURCE))
+    targets = sorted(Path(s).name for s in (build.SOURCE, build.RUNTIME_SOURCE, build.FRONT_SOURCE))
     assert sources == targets
