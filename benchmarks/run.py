@@ -22,7 +22,7 @@ from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.fakegpu.runner import fake_proc_command
 from tests.fixtures.runtime import CGROUP2_WORLD
 
-from . import stats, workspace
+from . import nvidia, stats, workspace
 
 RESULTS = workspace.REPO / "benchmarks" / "results"
 CACHE_DIR = "/run/nvcontainer"   # the default cache-dir: the hook runs with production settings
@@ -116,7 +116,9 @@ HOT_MODULES = ("nvcontainer.hook.main, nvcontainer.hook.prestart, nvcontainer.co
 
 def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: int, base: Path,
             parts=PARTS) -> dict:
-    fast = ws.machine("fast", FakeSpec(gpus=2))
+    # no decoy CUDA stubs in its ld cache: NVIDIA's cli would load the stub NVML (its loader takes the
+    # first cache entry) and fail, and its arm is the yardstick
+    fast = ws.machine("fast", FakeSpec(gpus=2, decoys=False))
     config = base / "config.toml"
     config.write_text("deadline = 30\n")
     results: dict = {}
@@ -142,6 +144,10 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
             "fallback": ([ws.served_entry(fast, ws.socket("none"))], workspace.CONTAINER_ENV),
             "hook+config": ([ws.hook_entry(fast, None, "--config", str(config))], workspace.CONTAINER_ENV),
             "hook-nogpu": ([ws.hook_entry(fast)], [])}
+    theirs = nvidia.hook_entry(base, fast)
+    if theirs is not None:
+        arms["nvidia"] = ([theirs], workspace.CONTAINER_ENV)
+        arms["nvidia-nogpu"] = ([theirs], [])
     if ws.editable_hook:
         arms["hook-editable"] = ([ws.hook_entry(fast, ws.editable_hook)], workspace.CONTAINER_ENV)
     for label, script in ws.others.items():
@@ -246,6 +252,8 @@ ROWS = (
     ("cgroup v1, hook (in-process, editable install)", "v1/hook-editable"),
     ("cgroup v1, hook (in-process), container asks no GPU", "v1/hook-nogpu"),
     ("cgroup v1, hook ({label})", "v1/hook-*"),
+    ("cgroup v1, NVIDIA's hook 1.17.9 + cli 1.17.0", "v1/nvidia"),
+    ("cgroup v1, NVIDIA's hook, container asks no GPU", "v1/nvidia-nogpu"),
     ("cgroup v2, no hook", "v2/none"),
     ("cgroup v2, hook (served)", "v2/served"),
     ("cgroup v2, hook (in-process)", "v2/hook"),
@@ -463,6 +471,13 @@ def report(results: dict, facts: dict, runs: int, concurrency: int, nvml_delay: 
             "in-process: the hook run by its own interpreter, as without a server (for comparison)\n"
             + ("WARNING: something listens on /run/nvcontainer/hook.sock: the in-process arms paid its answer\n"
                if facts.get("default_socket_present") else "") + "\n")
+    goals = nvidia.targets(median, lambda name: s.get(name, {}).get("p95"))
+    derived["issue17"] = [{"label": label, "value": value, "target": target, "met": ok}
+                          for label, value, target, ok in goals]
+    lines += ["", "issue 17's targets, ratios from this run" + ("" if median("v1/nvidia") is not None else
+                                                               " (NVIDIA's arm absent: no anchors tarball)")]
+    lines += [f"  {label}: {'-' if value is None else f'{value:.2f}'} (target {target})"
+              + ("" if ok is None else "  MET" if ok else "  NOT MET") for label, value, target, ok in goals]
     shown_checks = [c for c in checks if c[1] is not None]
     shown_comparison = [(label, value, target, "(not judged)") for label, value, target in comparison
                         if value is not None]

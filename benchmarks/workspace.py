@@ -55,6 +55,38 @@ if __name__ == '__main__':
 """
 
 
+# Reads the OCI state on stdin and makes <bundle>/rootfs/proc/driver/nvidia in the container's
+# mount namespace (the bundles' root is always "rootfs"; the state is ours, not hostile).
+PROC_DRIVER_C = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+static char state[65536];
+int main(void) {
+    ssize_t n, used = 0;
+    while ((n = read(0, state + used, sizeof state - 1 - used)) > 0) used += n;
+    state[used] = 0;
+    char *pid = strstr(state, "\"pid\":"), *bundle = strstr(state, "\"bundle\":\"");
+    if (!pid || !bundle) return 2;
+    bundle += 10;
+    char *end = strchr(bundle, '"');
+    if (!end) return 2;
+    *end = 0;
+    char ns[64], dir[4096];
+    snprintf(ns, sizeof ns, "/proc/%ld/ns/mnt", strtol(pid + 6, NULL, 10));
+    int fd = open(ns, O_RDONLY);
+    if (fd < 0 || setns(fd, CLONE_NEWNS) < 0) return 3;
+    snprintf(dir, sizeof dir, "%s/rootfs/proc/driver/nvidia", bundle);
+    return mkdir(dir, 0555) == 0 ? 0 : 4;
+}
+"""
+
+
 @dataclass
 class Workspace:
     base: Path
@@ -88,10 +120,23 @@ class Workspace:
         spec["root"] = {"path": "rootfs", "readonly": False}
         spec["mounts"].append({"destination": "/proc/driver", "type": "tmpfs", "source": "nvc-bench",
                                "options": ["nosuid", "nodev", "noexec", "mode=555"]})
-        spec["hooks"] = {"prestart": prestart}
+        spec["hooks"] = {"prestart": [self.proc_driver_entry(), *prestart]}
         spec["linux"]["cgroupsPath"] = f"/nvc-bench/{name}"
         (bundle / "config.json").write_text(json.dumps(spec))
         return bundle
+
+    def proc_driver_entry(self) -> dict:
+        """A first prestart hook in every arm (no-hook included, so it cancels out): a real
+        driver's procfs has ``driver/nvidia`` in every container, these containers' ``/proc/driver``
+        is an empty tmpfs, and both our hook and NVIDIA's cli mount over ``/proc/driver/nvidia``.
+        A tiny static program (a Python one would cost each arm 20 ms of noise)."""
+        program = self.base / "mkdir-proc-driver"
+        if not program.exists():
+            source = self.base / "mkdir-proc-driver.c"
+            source.write_text(PROC_DRIVER_C)
+            cc = shutil.which("musl-gcc") or "gcc"
+            subprocess.run([cc, "-static", "-O2", "-o", str(program), str(source)], check=True)
+        return {"path": str(program), "args": ["mkdir-proc-driver"], "env": HOOK_ENV, "timeout": 60}
 
     # Hook registrations, as hooks/oci-hook-entry.json writes them.
 
@@ -170,13 +215,20 @@ def production_venv(dest: Path, tree: Path = REPO) -> tuple[Path, Path, Path]:
                              capture_output=True, text=True, check=True).stdout.strip()
     deps = sysconfig.get_paths()["purelib"]   # where this (development) interpreter has click, pynvml, ...
     Path(purelib, "nvcontainer-bench.pth").write_text(f"{tree}\n{deps}\n")
+    # the entry points of that tree's layout (4edd867 and before: flat modules hook.py, cli.py)
+    package = tree / "nvcontainer"
+    hook_module = "nvcontainer.hook.main" if (package / "hook" / "main.py").exists() else "nvcontainer.hook"
+    cli_module = "nvcontainer.cli.main" if (package / "cli" / "main.py").exists() else "nvcontainer.cli"
     scripts = {}
-    for name, target in (("nvcontainer-hook", "nvcontainer.hook.main:main"), ("nvcontainer", "nvcontainer.cli.main:main")):
-        module, function = target.split(":")
+    for name, module in (("nvcontainer-hook", hook_module), ("nvcontainer", cli_module)):
         path = dest / "bin" / name
-        path.write_text(f"#!{python}\n" + CONSOLE_SCRIPT.format(module=module, function=function))
+        path.write_text(f"#!{python}\n" + CONSOLE_SCRIPT.format(module=module, function="main"))
         path.chmod(0o755)
         scripts[name] = path
+    if (package / "native" / "front.c").exists():
+        # as installed now: nvcontainer-hook is the static clean-environment front (native/front.c)
+        subprocess.run([str(python), "-I", "-c", "import sys; from nvcontainer.native import build; "
+                        "build.build_fronts(sys.argv[1], sys.argv[2])", str(dest / "bin"), str(python)], check=True)
     return python, scripts["nvcontainer-hook"], scripts["nvcontainer"]
 
 
