@@ -14,6 +14,12 @@
  *
  * One program, several names (argv[0]); the interpreter is NVC_PYTHON when the build embeds
  * it (setup, the package), else python3 beside this program's own file (a venv's bin/).
+ *
+ * A container that asks for no GPU costs no interpreter: a prestart run with plain options
+ * (--root, --ldcache, --user, --config; anything else, --debug and --dry-run included, goes to
+ * Python) reads the state as the Python hook does and, when the bundle's config.json cannot be a
+ * GPU request (nvc_common.h: the runtime shim's fuzzed scan, the same configuration read), exits
+ * 0 at once. Otherwise the state it read becomes fd 0 again and Python decides.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -24,12 +30,11 @@
 #include <unistd.h>
 
 #include "nvc_config.h"
+#include "nvc_common.h"
 
 #ifndef NVC_PYTHON
 #define NVC_PYTHON ""
 #endif
-
-#define SAFE_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 static const struct {
     const char *name;
@@ -41,6 +46,40 @@ static const struct {
     {"nvidia-container-cli",
      "import sys;from nvcontainer.cli.main import main_nvidia_container_cli as m;sys.exit(m())"},
 };
+
+static int is_hook(const char *name)
+{
+    return !strcmp(name, "nvcontainer-hook") || !strcmp(name, "nvidia-container-runtime-hook");
+}
+
+/* The --config value ("" if none) when argv is options of a plain run and then "prestart"
+ * alone; NULL for anything else, which the Python hook reads. */
+static const char *plain_prestart(int argc, char **argv)
+{
+    static const char *const valued[] = {"--root", "--ldcache", "--user", "--config", "-config", NULL};
+    const char *config = "";
+    if (argc < 2 || strcmp(argv[argc - 1], "prestart") != 0)
+        return NULL;
+    for (int i = 1; i < argc - 1; i++) {
+        const char *arg = argv[i], *eq = strchr(arg, '=');
+        size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
+        int known = 0;
+        for (const char *const *v = valued; *v; v++)
+            if (strlen(*v) == len && !strncmp(*v, arg, len))
+                known = 1;
+        if (!known)
+            return NULL;
+        const char *value = eq ? eq + 1 : (i + 1 < argc - 1 ? argv[++i] : NULL);
+        if (!value)
+            return NULL;
+        if (!strncmp(arg, "--config", len) || !strncmp(arg, "-config", len)) {
+            if (*config || !*value)
+                return NULL;
+            config = value;
+        }
+    }
+    return config;
+}
 
 static const char *base(const char *path)
 {
@@ -75,6 +114,14 @@ int main(int argc, char **argv)
         fputs("nvcontainer: error: this program runs only as nvcontainer-hook, "
               "nvidia-container-runtime-hook or nvidia-container-cli\n", stderr);
         return 1;
+    }
+    if (is_hook(name)) {
+        const char *config = plain_prestart(argc, argv);
+        if (config) {
+            int status = prestart_alone(name, config);
+            if (status >= 0)
+                return status;
+        }
     }
     char python[PATH_MAX];
     if (*NVC_PYTHON) {

@@ -262,4 +262,267 @@ static void load_settings(struct settings *s, const char *explicit)
     free(text);
 }
 
+/* Names a GPU request cannot do without (the hook's and the shim's rules alike). */
+static const char *const fixed_needles[] = {"NVIDIA_VISIBLE_DEVICES", "CUDA_VERSION", "nvidia-container-devices",
+                                            "com.nvidia.volumes.needed", NULL};
+
+/* ---- the spec scan -------------------------------------------------------------------------- */
+
+static int hexval(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* The text with JSON's string escapes decoded in place: \uXXXX below 0x80 as that byte, any
+ * other code unit as 0x80 (no needle has it), \n, \", \\ ... as the character. */
+static size_t decode_escapes(char *s, size_t len)
+{
+    size_t out = 0;
+    for (size_t i = 0; i < len; i++) {
+        if (s[i] != '\\' || i + 1 >= len) {
+            s[out++] = s[i];
+            continue;
+        }
+        char c = s[++i];
+        if (c == 'u' && i + 4 < len && hexval(s[i + 1]) >= 0 && hexval(s[i + 2]) >= 0 && hexval(s[i + 3]) >= 0 &&
+            hexval(s[i + 4]) >= 0) {
+            int v = hexval(s[i + 1]) << 12 | hexval(s[i + 2]) << 8 | hexval(s[i + 3]) << 4 | hexval(s[i + 4]);
+            s[out++] = v < 0x80 ? (char)v : (char)0x80;
+            i += 4;
+        } else {
+            static const char from[] = "bfnrt", to[] = "\b\f\n\r\t";
+            const char *m = memchr(from, c, 5);
+            s[out++] = m ? to[m - from] : c;
+        }
+    }
+    return out;
+}
+
+static int mentions(const char *text, size_t len, const struct list *l)
+{
+    for (int i = 0; i < l->count; i++)
+        if (memmem(text, len, l->items[i], strlen(l->items[i])))
+            return 1;
+    return 0;
+}
+
+/* 1: the spec cannot be a GPU request; 0: it may be (or could not be read as it must be). */
+static int cannot_be_gpu(char *spec, size_t len, const struct settings *s)
+{
+    len = decode_escapes(spec, len);
+    for (const char *const *n = fixed_needles; *n; n++)
+        if (memmem(spec, len, *n, strlen(*n)))
+            return 0;
+    if (mentions(spec, len, &s->swarm))
+        return 0;
+    if (!s->prefixes.count && s->prefixes.certain) /* the default */
+        return memmem(spec, len, "cdi.k8s.io/", 11) == NULL;
+    return !mentions(spec, len, &s->prefixes);
+}
+
+/* ---- the prestart hook's state, and the container that asks for nothing -------------------- */
+
+#include <poll.h>
+#include <strings.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#define STATE_CAP (1 << 20)   /* as nvcontainer/request/oci.py */
+#define STATE_SECONDS 5
+#ifndef SPEC_CAP
+#define SPEC_CAP (16 << 20)
+#endif
+
+/* The state from fd 0 as oci.read_document reads it: up to the end of the first complete JSON
+ * object (braces balanced outside strings), end of file, STATE_CAP bytes or STATE_SECONDS.
+ * *status: 0 complete or at end of file, 1 timed out, 2 too large, 3 read error. */
+static char *read_state(size_t *len, int *status)
+{
+    char *buf = malloc(STATE_CAP + 2);
+    size_t used = 0;
+    int depth = 0, in_string = 0, escaped = 0, started = 0;
+    struct timespec t0, now;
+    *status = 3;
+    if (!buf)
+        return NULL;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long left = STATE_SECONDS * 1000L - ((now.tv_sec - t0.tv_sec) * 1000L + (now.tv_nsec - t0.tv_nsec) / 1000000L);
+        if (left <= 0) {
+            *status = 1;
+            break;
+        }
+        struct pollfd p = {0, POLLIN, 0};
+        int r = poll(&p, 1, (int)left);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            *status = r == 0 ? 1 : 3;
+            break;
+        }
+        ssize_t n = read(0, buf + used, STATE_CAP + 1 - used);
+        if (n < 0 && (errno == EINTR || errno == EAGAIN))
+            continue;
+        if (n < 0)
+            break;
+        if (n == 0) {
+            *status = 0;
+            break;
+        }
+        int complete = 0;
+        for (ssize_t i = 0; i < n; i++) {
+            char c = buf[used + i];
+            if (in_string) {
+                if (escaped)
+                    escaped = 0;
+                else if (c == '\\')
+                    escaped = 1;
+                else if (c == '"')
+                    in_string = 0;
+            } else if (c == '"') {
+                in_string = 1;
+            } else if (c == '{' || c == '[') {
+                depth++, started = 1;
+            } else if (c == '}' || c == ']') {
+                if (--depth == 0 && started)
+                    complete = 1;
+            }
+        }
+        used += (size_t)n;
+        if (used > STATE_CAP) {
+            *status = 2;
+            break;
+        }
+        if (complete) {
+            *status = 0;
+            break;
+        }
+    }
+    buf[used] = '\0';
+    *len = used;
+    return buf;
+}
+
+static int count_keys(const char *text, const char *key)
+{
+    int n = 0;
+    size_t klen = strlen(key);
+    for (const char *p = text; (p = strcasestr(p, key)) != NULL; p += klen)
+        n++;
+    return n;
+}
+
+/* The value after "key" (which occurs once): the text after the colon, spaces skipped. */
+static const char *value_of(const char *text, const char *key)
+{
+    const char *p = strcasestr(text, key);
+    if (!p || strncmp(p, key, strlen(key)) != 0)
+        return NULL;   /* only a case variant: Python refuses or reads it; let it */
+    p += strlen(key);
+    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
+        p++;
+    if (*p++ != ':')
+        return NULL;
+    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
+        p++;
+    return p;
+}
+
+/* 1: a plain state (one "pid" above 1, one absolute "bundle" without escapes) whose bundle's
+ * config.json cannot ask for a GPU under these settings: the hook has nothing to do. 0: the
+ * Python hook decides (it says what is wrong, if anything is). Conservative like the shim's scan,
+ * whose fuzzing against the Python decision covers cannot_be_gpu. */
+static int state_cannot_be_gpu(const char *state, size_t len, const struct settings *s)
+{
+    if (!s->readable || !s->swarm.certain || !s->prefixes.certain || memchr(state, '\\', len) ||
+        strlen(state) != len || count_keys(state, "\"pid\"") != 1 || count_keys(state, "\"bundle\"") != 1)
+        return 0;
+    const char *pid = value_of(state, "\"pid\""), *bundle = value_of(state, "\"bundle\"");
+    if (!pid || !bundle || *bundle != '"' || bundle[1] != '/')
+        return 0;
+    char *end;
+    errno = 0;
+    long number = strtol(pid, &end, 10);
+    if (errno || end == pid || number <= 1 || number > 0x3fffffff)
+        return 0;
+    const char *close = strchr(bundle + 1, '"');
+    char path[4096];
+    if (!close || close - bundle - 1 > 4000)
+        return 0;
+    snprintf(path, sizeof path, "%.*s/config.json", (int)(close - bundle - 1), bundle + 1);
+    size_t spec_len;
+    char *spec = read_bounded(path, SPEC_CAP, 1, &spec_len);
+    if (!spec)
+        return 0;
+    int alone = cannot_be_gpu(spec, spec_len, s);
+    free(spec);
+    return alone;
+}
+
+/* The state read so far as fd 0 again (a memfd), for the Python hook or the server to read. */
+static int give_back_state(const char *state, size_t len)
+{
+    int fd = memfd_create("nvcontainer-state", 0);
+    if (fd < 0)
+        return -1;
+    size_t done = 0;
+    while (done < len) {
+        ssize_t n = write(fd, state + done, len - done);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            close(fd);
+            return -1;
+        }
+        done += (size_t)n;
+    }
+    if (lseek(fd, 0, SEEK_SET) != 0 || dup2(fd, 0) < 0) {
+        close(fd);
+        return -1;
+    }
+    close(fd);
+    return 0;
+}
+
+/* What a prestart run with only plain options may be answered with before any interpreter or
+ * server: -1 when it must go on (fd 0 then holds the state again), else the exit status (0: the
+ * container asks for no GPU; 1: the state never arrived whole, said in oci.py's words). ``config``:
+ * the --config given, or "". */
+static int prestart_alone(const char *prog, const char *config)
+{
+    if (fcntl(0, F_GETFD) < 0)
+        return -1;   /* closed: the Python hook says so */
+    size_t len;
+    int status;
+    char *state = read_state(&len, &status);
+    if (!state)
+        return -1;
+    if (status == 1 || status == 2) {
+        if (status == 1)
+            fprintf(stderr, "%s: input error: state: no complete JSON document on standard input within %ds "
+                            "(%zu bytes, not closed)\n", prog, STATE_SECONDS, len);
+        else
+            fprintf(stderr, "%s: input error: state: larger than %d bytes\n", prog, STATE_CAP);
+        free(state);
+        return 1;
+    }
+    struct settings s;
+    load_settings(&s, config);
+    int alone = status == 0 && state_cannot_be_gpu(state, len, &s);
+    if (!alone && give_back_state(state, len) < 0) {
+        fprintf(stderr, "%s: internal error: cannot hand the state on: %s\n", prog, strerror(errno));
+        free(state);
+        return 1;
+    }
+    free(state);
+    return alone ? 0 : -1;
+}
+
 #endif

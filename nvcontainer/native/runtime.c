@@ -53,8 +53,6 @@ static const char *const global_valued[] = {"--log", "--log-format", "--root", "
                                             "--log-level", "--cgroup-manager", NULL};
 static const char *const create_valued[] = {"--bundle", "--console-socket", "--pid-file", "--preserve-fds",
                                             "--config", NULL};
-static const char *const fixed_needles[] = {"NVIDIA_VISIBLE_DEVICES", "CUDA_VERSION", "nvidia-container-devices",
-                                            "com.nvidia.volumes.needed", NULL};
 
 static const char *prog = "nvidia-container-runtime";
 
@@ -105,65 +103,6 @@ static int skip_options(int argc, char **argv, int i, const char *const *valued,
     return i;
 }
 
-/* ---- the spec scan -------------------------------------------------------------------------- */
-
-static int hexval(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
-
-/* The text with JSON's string escapes decoded in place: \uXXXX below 0x80 as that byte, any
- * other code unit as 0x80 (no needle has it), \n, \", \\ ... as the character. */
-static size_t decode_escapes(char *s, size_t len)
-{
-    size_t out = 0;
-    for (size_t i = 0; i < len; i++) {
-        if (s[i] != '\\' || i + 1 >= len) {
-            s[out++] = s[i];
-            continue;
-        }
-        char c = s[++i];
-        if (c == 'u' && i + 4 < len && hexval(s[i + 1]) >= 0 && hexval(s[i + 2]) >= 0 && hexval(s[i + 3]) >= 0 &&
-            hexval(s[i + 4]) >= 0) {
-            int v = hexval(s[i + 1]) << 12 | hexval(s[i + 2]) << 8 | hexval(s[i + 3]) << 4 | hexval(s[i + 4]);
-            s[out++] = v < 0x80 ? (char)v : (char)0x80;
-            i += 4;
-        } else {
-            static const char from[] = "bfnrt", to[] = "\b\f\n\r\t";
-            const char *m = memchr(from, c, 5);
-            s[out++] = m ? to[m - from] : c;
-        }
-    }
-    return out;
-}
-
-static int mentions(const char *text, size_t len, const struct list *l)
-{
-    for (int i = 0; i < l->count; i++)
-        if (memmem(text, len, l->items[i], strlen(l->items[i])))
-            return 1;
-    return 0;
-}
-
-/* 1: the spec cannot be a GPU request; 0: it may be (or could not be read as it must be). */
-static int cannot_be_gpu(char *spec, size_t len, const struct settings *s)
-{
-    len = decode_escapes(spec, len);
-    for (const char *const *n = fixed_needles; *n; n++)
-        if (memmem(spec, len, *n, strlen(*n)))
-            return 0;
-    if (mentions(spec, len, &s->swarm))
-        return 0;
-    if (!s->prefixes.count && s->prefixes.certain) /* the default */
-        return memmem(spec, len, "cdi.k8s.io/", 11) == NULL;
-    return !mentions(spec, len, &s->prefixes);
-}
 
 /* ---- running things ------------------------------------------------------------------------- */
 
