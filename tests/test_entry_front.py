@@ -137,3 +137,15 @@ def test_a_state_that_never_completes_is_one_line_within_the_bound(front, tmp_pa
     assert res.returncode == 1
     assert res.stderr == ("nvcontainer-hook: input error: state: no complete JSON document on standard input "
                           "within 5s (33 bytes, not closed)\n")
+
+
+def test_the_native_client_answers_a_container_that_asks_for_nothing_alone(tmp_path):
+    """The served registration: neither the server (nobody listens on the socket) nor the
+    interpreter (absent) is needed for a container without a GPU; one that asks still goes on."""
+    client = tmp_path / "client"
+    build.build(str(client), str(tmp_path / "no-python"))
+    sock = str(tmp_path / "nobody.sock")
+    none = run(client, ["--socket", sock, "prestart"], state(bundle(tmp_path, [])))
+    assert (none.returncode, none.stderr) == (0, "")
+    gpu = run(client, ["--socket", sock, "prestart"], state(bundle(tmp_path, ["NVIDIA_VISIBLE_DEVICES=0"])))
+    assert gpu.returncode == 1 and "cannot run" in gpu.stderr, gpu.stderr

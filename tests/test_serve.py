@@ -307,7 +307,10 @@ def test_a_request_dies_with_its_client(server, tmp_path, any_client):
     """Runtimes kill only the hook on their timeout: the request it started must not live on."""
     proc, sock = server
     r, w = os.pipe()   # the state never ends: the request waits for it
-    client_proc = subprocess.Popen(any_client(str(sock), "prestart"), stdin=r, stderr=subprocess.PIPE)
+    # (--debug: the native client itself reads the state of a plain run, to answer a container
+    # that asks for no GPU without the server; a traced run goes to the server at once)
+    client_proc = subprocess.Popen(any_client(str(sock), "--debug", str(tmp_path / "hook.log"), "prestart"),
+                                   stdin=r, stderr=subprocess.PIPE)
     os.close(r)
     try:
         children = []

@@ -13,8 +13,11 @@
  * NVC_PYTHON, the interpreter of the install, and NVC_VALUED, hookclient.OPTIONS's options
  * that take a value, so the --socket scan reads the same table as the hook's parser.
  *
- * It reads nothing from the container and never reads stdin: the server does, after it has
- * decided to take the run, and a declined run leaves stdin to the Python hook.
+ * A container that asks for no GPU is answered here, with neither server nor interpreter: a
+ * prestart run with plain options (--socket, --root, --ldcache, --user, --config) reads the
+ * state as the Python hook does and scans the bundle's config.json with the runtime shim's
+ * fuzzed scan (nvc_common.h); when it cannot ask, exit 0. Otherwise the state it read becomes
+ * fd 0 again (a memfd), which the server or the Python hook reads as they would have read stdin.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -29,6 +32,7 @@
 #include <unistd.h>
 
 #include "nvc_config.h"
+#include "nvc_common.h"
 
 #define SOCKET_DEFAULT "/run/nvcontainer/hook.sock"
 #define MAX_REQUEST (64 << 10)
@@ -197,8 +201,40 @@ static int forward(int argc, char **argv)
     return 1;
 }
 
+/* The --config value ("" if none) when argv is plain options and then "prestart" alone. */
+static const char *plain_prestart(int argc, char **argv)
+{
+    static const char *const plain[] = {"--socket", "--root", "--ldcache", "--user", "--config", NULL};
+    const char *config = "";
+    if (argc < 2 || strcmp(argv[argc - 1], "prestart") != 0)
+        return NULL;
+    for (int i = 1; i < argc - 1; i++) {
+        const char *arg = argv[i], *eq = strchr(arg, '=');
+        size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
+        int known = 0;
+        for (const char *const *v = plain; *v; v++)
+            if (strlen(*v) == len && !strncmp(*v, arg, len))
+                known = 1;
+        const char *value = eq ? eq + 1 : (i + 1 < argc - 1 ? argv[++i] : NULL);
+        if (!known || !value)
+            return NULL;
+        if (len == 8 && !strncmp(arg, "--config", 8)) {
+            if (*config || !*value)
+                return NULL;
+            config = value;
+        }
+    }
+    return config;
+}
+
 int main(int argc, char **argv)
 {
+    const char *config = plain_prestart(argc, argv);
+    if (config) {
+        int alone = prestart_alone(PROG, config);
+        if (alone >= 0)
+            return alone;
+    }
     int status = forward(argc, argv);
     if (status >= 0)
         return status;

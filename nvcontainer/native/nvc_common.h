@@ -40,7 +40,7 @@ struct settings {
 
 /* The whole file, NUL-terminated, at most cap bytes; NULL with errno set otherwise (EFBIG:
  * larger than cap, EINVAL: not a regular file). */
-static char *read_bounded(const char *path, size_t cap, int nofollow, size_t *len)
+static inline char *read_bounded(const char *path, size_t cap, int nofollow, size_t *len)
 {
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC | (nofollow ? O_NOFOLLOW : 0));
     if (fd < 0)
@@ -85,7 +85,7 @@ static char *read_bounded(const char *path, size_t cap, int nofollow, size_t *le
 
 /* ---- the configuration's three keys ------------------------------------------------------- */
 
-static const char *skip_space(const char *p)
+static inline const char *skip_space(const char *p)
 {
     while (*p == ' ' || *p == '\t')
         p++;
@@ -93,14 +93,14 @@ static const char *skip_space(const char *p)
 }
 
 /* The rest of a line after a value: spaces, then nothing or a comment. */
-static int line_ends(const char *p, const char *end)
+static inline int line_ends(const char *p, const char *end)
 {
     p = skip_space(p);
     return p == end || *p == '#';
 }
 
 /* One TOML basic or literal string without escapes at *pp; its content is copied out. */
-static char *string_at(const char **pp, const char *end)
+static inline char *string_at(const char **pp, const char *end)
 {
     const char *p = *pp;
     char quote = *p;
@@ -113,7 +113,7 @@ static char *string_at(const char **pp, const char *end)
     return strndup(p + 1, (size_t)(close - p - 1));
 }
 
-static int add_item(struct list *l, const char *s, size_t n)
+static inline int add_item(struct list *l, const char *s, size_t n)
 {
     while (n && (*s == ' ' || *s == '\t'))
         s++, n--;
@@ -128,7 +128,7 @@ static int add_item(struct list *l, const char *s, size_t n)
 }
 
 /* `= "a,b"` (split on commas when split is set) or `= ["a", 'b']` up to end; -1 if not that. */
-static int parse_value(const char *p, const char *end, struct list *l, int split)
+static inline int parse_value(const char *p, const char *end, struct list *l, int split)
 {
     p = skip_space(p);
     if (*p != '=')
@@ -174,7 +174,7 @@ struct key {
 
 /* Scan the file's lines for the keys: each must be defined at most once, on one line, in its
  * table, with a plain value; every other mention must be a comment line. */
-static void scan_config(const char *text, size_t len, struct key *keys, int nkeys)
+static inline void scan_config(const char *text, size_t len, struct key *keys, int nkeys)
 {
     if (memmem(text, len, "\\u", 2) || memmem(text, len, "\\U", 2) || memmem(text, len, "\"\"\"", 3) ||
         memmem(text, len, "'''", 3))
@@ -224,7 +224,7 @@ static void scan_config(const char *text, size_t len, struct key *keys, int nkey
     }
 }
 
-static void defaults(struct settings *s)
+static inline void defaults(struct settings *s)
 {
     memset(s, 0, sizeof *s);
     s->readable = 1;
@@ -233,7 +233,7 @@ static void defaults(struct settings *s)
 
 /* The configuration as the Python code reads it: ``explicit`` (which must exist) or, when it is
  * empty, the first of the two default files present. Only the three keys are looked at. */
-static void load_settings(struct settings *s, const char *explicit)
+static inline void load_settings(struct settings *s, const char *explicit)
 {
     defaults(s);
     const char *paths[2] = {explicit, NULL};
@@ -268,7 +268,7 @@ static const char *const fixed_needles[] = {"NVIDIA_VISIBLE_DEVICES", "CUDA_VERS
 
 /* ---- the spec scan -------------------------------------------------------------------------- */
 
-static int hexval(char c)
+static inline int hexval(char c)
 {
     if (c >= '0' && c <= '9')
         return c - '0';
@@ -281,7 +281,7 @@ static int hexval(char c)
 
 /* The text with JSON's string escapes decoded in place: \uXXXX below 0x80 as that byte, any
  * other code unit as 0x80 (no needle has it), \n, \", \\ ... as the character. */
-static size_t decode_escapes(char *s, size_t len)
+static inline size_t decode_escapes(char *s, size_t len)
 {
     size_t out = 0;
     for (size_t i = 0; i < len; i++) {
@@ -304,7 +304,7 @@ static size_t decode_escapes(char *s, size_t len)
     return out;
 }
 
-static int mentions(const char *text, size_t len, const struct list *l)
+static inline int mentions(const char *text, size_t len, const struct list *l)
 {
     for (int i = 0; i < l->count; i++)
         if (memmem(text, len, l->items[i], strlen(l->items[i])))
@@ -313,7 +313,7 @@ static int mentions(const char *text, size_t len, const struct list *l)
 }
 
 /* 1: the spec cannot be a GPU request; 0: it may be (or could not be read as it must be). */
-static int cannot_be_gpu(char *spec, size_t len, const struct settings *s)
+static inline int cannot_be_gpu(char *spec, size_t len, const struct settings *s)
 {
     len = decode_escapes(spec, len);
     for (const char *const *n = fixed_needles; *n; n++)
@@ -342,7 +342,7 @@ static int cannot_be_gpu(char *spec, size_t len, const struct settings *s)
 /* The state from fd 0 as oci.read_document reads it: up to the end of the first complete JSON
  * object (braces balanced outside strings), end of file, STATE_CAP bytes or STATE_SECONDS.
  * *status: 0 complete or at end of file, 1 timed out, 2 too large, 3 read error. */
-static char *read_state(size_t *len, int *status)
+static inline char *read_state(size_t *len, int *status)
 {
     char *buf = malloc(STATE_CAP + 2);
     size_t used = 0;
@@ -410,7 +410,7 @@ static char *read_state(size_t *len, int *status)
     return buf;
 }
 
-static int count_keys(const char *text, const char *key)
+static inline int count_keys(const char *text, const char *key)
 {
     int n = 0;
     size_t klen = strlen(key);
@@ -420,7 +420,7 @@ static int count_keys(const char *text, const char *key)
 }
 
 /* The value after "key" (which occurs once): the text after the colon, spaces skipped. */
-static const char *value_of(const char *text, const char *key)
+static inline const char *value_of(const char *text, const char *key)
 {
     const char *p = strcasestr(text, key);
     if (!p || strncmp(p, key, strlen(key)) != 0)
@@ -439,7 +439,7 @@ static const char *value_of(const char *text, const char *key)
  * config.json cannot ask for a GPU under these settings: the hook has nothing to do. 0: the
  * Python hook decides (it says what is wrong, if anything is). Conservative like the shim's scan,
  * whose fuzzing against the Python decision covers cannot_be_gpu. */
-static int state_cannot_be_gpu(const char *state, size_t len, const struct settings *s)
+static inline int state_cannot_be_gpu(const char *state, size_t len, const struct settings *s)
 {
     if (!s->readable || !s->swarm.certain || !s->prefixes.certain || memchr(state, '\\', len) ||
         strlen(state) != len || count_keys(state, "\"pid\"") != 1 || count_keys(state, "\"bundle\"") != 1)
@@ -467,7 +467,7 @@ static int state_cannot_be_gpu(const char *state, size_t len, const struct setti
 }
 
 /* The state read so far as fd 0 again (a memfd), for the Python hook or the server to read. */
-static int give_back_state(const char *state, size_t len)
+static inline int give_back_state(const char *state, size_t len)
 {
     int fd = memfd_create("nvcontainer-state", 0);
     if (fd < 0)
@@ -495,7 +495,7 @@ static int give_back_state(const char *state, size_t len)
  * server: -1 when it must go on (fd 0 then holds the state again), else the exit status (0: the
  * container asks for no GPU; 1: the state never arrived whole, said in oci.py's words). ``config``:
  * the --config given, or "". */
-static int prestart_alone(const char *prog, const char *config)
+static inline int prestart_alone(const char *prog, const char *config)
 {
     if (fcntl(0, F_GETFD) < 0)
         return -1;   /* closed: the Python hook says so */
