@@ -52,34 +52,6 @@ static int is_hook(const char *name)
     return !strcmp(name, "nvcontainer-hook") || !strcmp(name, "nvidia-container-runtime-hook");
 }
 
-/* The --config value ("" if none) when argv is options of a plain run and then "prestart"
- * alone; NULL for anything else, which the Python hook reads. */
-static const char *plain_prestart(int argc, char **argv)
-{
-    static const char *const valued[] = {"--root", "--ldcache", "--user", "--config", "-config", NULL};
-    const char *config = "";
-    if (argc < 2 || strcmp(argv[argc - 1], "prestart") != 0)
-        return NULL;
-    for (int i = 1; i < argc - 1; i++) {
-        const char *arg = argv[i], *eq = strchr(arg, '=');
-        size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
-        int known = 0;
-        for (const char *const *v = valued; *v; v++)
-            if (strlen(*v) == len && !strncmp(*v, arg, len))
-                known = 1;
-        if (!known)
-            return NULL;
-        const char *value = eq ? eq + 1 : (i + 1 < argc - 1 ? argv[++i] : NULL);
-        if (!value)
-            return NULL;
-        if (!strncmp(arg, "--config", len) || !strncmp(arg, "-config", len)) {
-            if (*config || !*value)
-                return NULL;
-            config = value;
-        }
-    }
-    return config;
-}
 
 static const char *base(const char *path)
 {
@@ -116,7 +88,8 @@ int main(int argc, char **argv)
         return 1;
     }
     if (is_hook(name)) {
-        const char *config = plain_prestart(argc, argv);
+        static const char *const plain[] = {"--root", "--ldcache", "--user", "--config", "-config", NULL};
+        const char *config = plain_prestart(argc, argv, plain);
         if (config) {
             int status = prestart_alone(name, config);
             if (status >= 0)

@@ -201,35 +201,11 @@ static int forward(int argc, char **argv)
     return 1;
 }
 
-/* The --config value ("" if none) when argv is plain options and then "prestart" alone. */
-static const char *plain_prestart(int argc, char **argv)
-{
-    static const char *const plain[] = {"--socket", "--root", "--ldcache", "--user", "--config", NULL};
-    const char *config = "";
-    if (argc < 2 || strcmp(argv[argc - 1], "prestart") != 0)
-        return NULL;
-    for (int i = 1; i < argc - 1; i++) {
-        const char *arg = argv[i], *eq = strchr(arg, '=');
-        size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
-        int known = 0;
-        for (const char *const *v = plain; *v; v++)
-            if (strlen(*v) == len && !strncmp(*v, arg, len))
-                known = 1;
-        const char *value = eq ? eq + 1 : (i + 1 < argc - 1 ? argv[++i] : NULL);
-        if (!known || !value)
-            return NULL;
-        if (len == 8 && !strncmp(arg, "--config", 8)) {
-            if (*config || !*value)
-                return NULL;
-            config = value;
-        }
-    }
-    return config;
-}
 
 int main(int argc, char **argv)
 {
-    const char *config = plain_prestart(argc, argv);
+    static const char *const plain[] = {"--socket", "--root", "--ldcache", "--user", "--config", NULL};
+    const char *config = plain_prestart(argc, argv, plain);
     if (config) {
         int alone = prestart_alone(PROG, config);
         if (alone >= 0)

@@ -491,6 +491,33 @@ static inline int give_back_state(const char *state, size_t len)
     return 0;
 }
 
+/* The --config (or -config) value, "" if none, when argv is options from ``plain``, each with a
+ * value (--name VALUE or --name=VALUE), and then "prestart" alone; NULL for anything else
+ * (--debug, --dry-run, another stage...), which the Python hook reads. */
+static inline const char *plain_prestart(int argc, char **argv, const char *const *plain)
+{
+    const char *config = "";
+    if (argc < 2 || strcmp(argv[argc - 1], "prestart") != 0)
+        return NULL;
+    for (int i = 1; i < argc - 1; i++) {
+        const char *arg = argv[i], *eq = strchr(arg, '=');
+        size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
+        int known = 0;
+        for (const char *const *v = plain; *v; v++)
+            if (strlen(*v) == len && !strncmp(*v, arg, len))
+                known = 1;
+        const char *value = eq ? eq + 1 : (i + 1 < argc - 1 ? argv[++i] : NULL);
+        if (!known || !value)
+            return NULL;
+        if ((len == 8 && !strncmp(arg, "--config", 8)) || (len == 7 && !strncmp(arg, "-config", 7))) {
+            if (*config || !*value)
+                return NULL;
+            config = value;
+        }
+    }
+    return config;
+}
+
 /* What a prestart run with only plain options may be answered with before any interpreter or
  * server: -1 when it must go on (fd 0 then holds the state again), else the exit status (0: the
  * container asks for no GPU; 1: the state never arrived whole, said in oci.py's words). ``config``:
