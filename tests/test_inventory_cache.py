@@ -475,7 +475,8 @@ def test_hook_dry_run_is_served_from_the_cache(machine, cache_dir, tmp_path):
     assert [d["path"] for d in json.loads(runs[1].stdout)["devices"]] == ["/dev/nvidiactl", "/dev/nvidia1"]
 
 
-def test_an_upgrade_of_nvcontainer_itself_is_a_miss(machine, cache_dir, tmp_path):
+@pytest.mark.parametrize("changed", ["inventory/catalog.py", "fs/inroot.py"], ids=["inventory", "fs"])
+def test_an_upgrade_of_nvcontainer_itself_is_a_miss(machine, cache_dir, tmp_path, changed):
     """Issue 15 item 12: two installs of the same version, the second with a changed inventory
     module (a fixed library order, say). The old program's entry serves the old program again,
     but never the new one, which builds its own (and meets the broken NVML)."""
@@ -485,7 +486,7 @@ def test_an_upgrade_of_nvcontainer_itself_is_a_miss(machine, cache_dir, tmp_path
         trees[which] = tmp_path / which
         shutil.copytree(repo / "nvcontainer", trees[which] / "nvcontainer",
                         ignore=shutil.ignore_patterns("__pycache__"))
-    with open(trees["new"] / "nvcontainer/inventory/catalog.py", "a") as f:
+    with open(trees["new"] / "nvcontainer" / changed, "a") as f:
         f.write("# a change in the new release\n")
     conf = tmp_path / "config.toml"
     conf.write_text(f'[nvcontainer]\ncache-dir = "{cache_dir}"\n')

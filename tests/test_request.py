@@ -41,6 +41,8 @@ def dev_mount(name, source="/dev/null"):
     ("all,none", True, "all"),
     ("ALL", True, "all"),                   # upstream's cli compares "all" without case (issue 15.8)
     ("0,All", True, "all"),
+    ("ALL,none", True, ()),                 # the hook sees none first; "ALL" only means all to the cli
+    ("0,ALL,none,all", True, ()),
     ("0", True, ("0",)),
     (" 1 , 0,,1, 0 ", True, ("1", "0")),    # trimmed, empties dropped, duplicates folded in order
     ("GPU-5f8e1a2b-1111-2222-3333-444455556666,0000:07:00.0,0:1", True,

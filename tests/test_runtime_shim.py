@@ -513,3 +513,18 @@ def test_hook_program_discovery(tmp_path):
 def test_config_hook_path_from_the_toolkit_file():
     assert parse_config('[nvidia-container-runtime-hook]\npath = "/usr/bin/nvidia-container-runtime-hook"').hook_path \
         == "/usr/bin/nvidia-container-runtime-hook"
+
+
+@pytest.mark.parametrize("env, names", [
+    (["DOCKER_RESOURCE_GPU=", "NVIDIA_VISIBLE_DEVICES=nvidia.com/gpu=all"], ("nvidia.com/gpu=all",)),
+    (["DOCKER_RESOURCE_GPU= , ", "NVIDIA_VISIBLE_DEVICES=nvidia.com/gpu=0"], ("nvidia.com/gpu=0",)),
+    (["DOCKER_RESOURCE_GPU=nvidia.com/gpu=1", "NVIDIA_VISIBLE_DEVICES=nvidia.com/gpu=0"], ("nvidia.com/gpu=1",)),
+])
+def test_cdi_names_an_empty_swarm_variable_counts_as_unset(env, names):
+    """Issue 15 item 10 in the runtime's CDI reading too: a swarm resource variable that is set
+    but empty does not take NVIDIA_VISIBLE_DEVICES away (upstream's bug)."""
+    from nvcontainer.request.oci import parse_spec
+    from nvcontainer.runtime import cdinames
+    spec = parse_spec(spec_bytes(env, caps=("CAP_SYS_ADMIN",)), "/b")
+    got = cdinames.asked(spec, Config(mode="cdi", swarm_resource=("DOCKER_RESOURCE_GPU",)), "cdi")
+    assert got is not None and got.names == names

@@ -54,16 +54,18 @@ FORMAT = 1
 
 def _program_stamp() -> str:
     """The identity of the code that builds an inventory: name, size and mtime of every module
-    of this package, as it was when this process imported it (an upgrade rewrites them; a
-    resident server keeps the stamp of the code it runs). Some twenty ``stat`` calls, once per
-    process: hashing the sources on every container start would cost more than the cache saves."""
+    of this package and of ``fs`` (how it resolves and reads the driver's files), as they were
+    when this process imported them (an upgrade rewrites them; a resident server keeps the stamp
+    of the code it runs). Some twenty-five ``stat`` calls, once per process: hashing the sources
+    on every container start would cost more than the cache saves."""
     here = os.path.dirname(os.path.abspath(__file__))
     parts = []
     try:
-        for name in sorted(os.listdir(here)):
-            if name.endswith(".py"):
-                st = os.stat(os.path.join(here, name))
-                parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+        for folder in (here, os.path.join(os.path.dirname(here), "fs")):
+            for name in sorted(os.listdir(folder)):
+                if name.endswith(".py"):
+                    st = os.stat(os.path.join(folder, name))
+                    parts.append(f"{os.path.basename(folder)}/{name}:{st.st_size}:{st.st_mtime_ns}")
     except OSError as exc:   # unreadable: a stamp no entry can match, so nothing stale is served
         parts.append(f"unreadable:{exc.errno}:{os.getpid()}")
     return f"{binascii.crc32(chr(10).join(parts).encode()):08x}-{len(parts)}"

@@ -143,11 +143,11 @@ def _decide(tokens: list[str]) -> str | list[str] | None:
     """Upstream's reading of a device list: None (not a GPU container), "all", "none" or ids."""
     if not tokens or "void" in tokens:
         return None
-    for token in tokens:
-        if token.lower() == "all":   # nvidia-container-cli compares "all" without case
-            return "all"
-        if token == "none":
+    for token in tokens:   # the hook compares exactly: the first "all" or "none" decides
+        if token in ("all", "none"):
             return token
+    if any(token.lower() == "all" for token in tokens):
+        return "all"   # the hook passes "ALL" on and nvidia-container-cli compares it without case
     return tokens
 
 

@@ -83,7 +83,8 @@ def _from_mounts(spec: Spec, config: Config) -> Asked | None:
 
 def _from_env(spec: Spec, config: Config, mode: str) -> Asked | None:
     env = spec.environ()
-    names = [n for n in config.swarm_resource if n in env] or [VISIBLE_DEVICES]
+    # a swarm variable set but naming nothing counts as unset, as in the hook (request.decide)
+    names = [n for n in config.swarm_resource if _split(env.get(n) or "")] or [VISIBLE_DEVICES]
     value = ",".join(env[n] for n in names if n in env)
     if len(value) > MAX_VALUE:
         raise NvcError("cdi", f"{names[0]}: value longer than {MAX_VALUE} characters")
