@@ -34,6 +34,8 @@ from tests.fixtures.fakegpu.runner import fake_proc_command
 
 from . import workspace
 
+HOOK_MAIN = "import sys; from nvcontainer.hook.main import main; sys.exit(main())"
+
 
 def importtime_top(text: str, limit: int) -> list[str]:
     """The ``limit`` slowest top-level imports (cumulative µs) of ``-X importtime`` output."""
@@ -128,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         warm = ws.probe_entry(out, hook)
         logs = [base / f"debug-{i}.log" for i in range(args.runs)]
         logged = [ws.probe_entry(out, [str(ws.hook), "--debug", str(log), *hook[1:]]) for log in logs]
-        imports = ws.probe_entry(out, [str(ws.python), "-X", "importtime", *hook], stderr=err)
-        profiled = ws.probe_entry(out, [str(ws.python), "-m", "cProfile", "-o", str(prof), *hook])
+        # the installed hook is the static front: the interpreter runs the hook's module itself here
+        module = [str(ws.python), "-I", "-X", "importtime", "-c", HOOK_MAIN, *hook[1:]]
+        imports = ws.probe_entry(out, module, stderr=err)
+        profiled = ws.probe_entry(out, [str(ws.python), "-I", "-m", "cProfile", "-o", str(prof), "-m",
+                                        "nvcontainer.hook", *hook[1:]])
         state = str(base / "runc-state")
         for entry in (warm, warm, *logged, imports, profiled):
             bundle = ws.bundle([entry])
