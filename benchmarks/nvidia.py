@@ -104,6 +104,7 @@ def targets(median, p95) -> list[tuple[str, float | None, str, bool | None]]:
     conc_none, conc_served = p95("concurrent-none"), p95("concurrent-served")
     added = None if conc_none is None or conc_served is None else conc_served - conc_none
     concurrency = ratio(added, single)
+    growth = ratio(over("growth/all", "growth/none"), over("growth/one", "growth/none"))
     return [
         ("served + native client, cgroup v1: overhead / NVIDIA's", served, "<= 0.5x", met(served, 0.5)),
         ("in-process hook: overhead / NVIDIA's", inprocess, "<= 1.5x", met(inprocess, 1.5)),
@@ -113,4 +114,5 @@ def targets(median, p95) -> list[tuple[str, float | None, str, bool | None]]:
         ("NVIDIA's hook: overhead (ms, reference)", nvidia, "-", None),
         ("32 at once, served: p95 added over no hook / single overhead", concurrency, "<= 3x",
          met(concurrency, 3.0)),
+        ("8 GPUs, served: overhead of all / overhead of one", growth, "<= 1.3x", met(growth, 1.3)),
     ]

@@ -103,7 +103,7 @@ def probe_results(path: Path) -> dict:
             "maxrss_kb": [r["maxrss_kb"] for r in lines], "failures": [r for r in lines if r["rc"] != 0]}
 
 
-PARTS = ("v1", "concurrent", "probes", "commands", "v2", "slow")
+PARTS = ("v1", "concurrent", "probes", "commands", "v2", "slow", "growth")
 
 # What a GPU container's hook run imports: the standard modules our code is written with (the
 # floor of any hook in this style), then all of our modules on that path.
@@ -218,6 +218,21 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
         sys.stderr.write("cgroup v2, fast NVML\n")
         merge(results, run_world(fast, job_v2, base, cgroup2=True))
 
+    if "growth" in parts:
+        # issue 17: a node with 8 GPUs, served: every GPU against one (more nodes, mounts, rules)
+        eight = ws.machine("eight", FakeSpec(gpus=8, decoys=False))
+        sock_eight = ws.socket("growth")
+        served_eight = ws.served_entry(eight, sock_eight)
+        growth_arms = {"none": ([], workspace.CONTAINER_ENV),
+                       "one": ([served_eight], workspace.CONTAINER_ENV),
+                       "all": ([served_eight], ["NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"])}
+        job = {"server": server_job(ws, eight, "growth", sock_eight), "steps": [
+            dict(check(3, {"served": served_eight}), name="served-check-growth"),
+            {"kind": "interleaved", "name": "growth",
+             "arms": {arm: bundles(runs, *hooks, env=env) for arm, (hooks, env) in growth_arms.items()},
+             "warmup": {arm: bundles(2, *hooks, env=env) for arm, (hooks, env) in growth_arms.items()}}]}
+        sys.stderr.write("cgroup v1, 8 GPUs\n")
+        merge(results, run_world(eight, job, base))
     if "slow" in parts:
         rounds, later = max(3, runs // 6), 5
         knob = {"nvml_config": str(fast.nvml_config), "delay_ms": nvml_delay, "cache_dir": CACHE_DIR,
@@ -254,6 +269,9 @@ ROWS = (
     ("cgroup v1, hook ({label})", "v1/hook-*"),
     ("cgroup v1, NVIDIA's hook 1.17.9 + cli 1.17.0", "v1/nvidia"),
     ("cgroup v1, NVIDIA's hook, container asks no GPU", "v1/nvidia-nogpu"),
+    ("8 GPUs, cgroup v1, no hook", "growth/none"),
+    ("8 GPUs, hook (served), GPU 0", "growth/one"),
+    ("8 GPUs, hook (served), all GPUs", "growth/all"),
     ("cgroup v2, no hook", "v2/none"),
     ("cgroup v2, hook (served)", "v2/served"),
     ("cgroup v2, hook (in-process)", "v2/hook"),
