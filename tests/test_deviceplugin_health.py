@@ -234,6 +234,60 @@ def test_monitor_applies_events_and_ignores_malformed_ones(quick_backoff):
     assert {u: "XID 79", PLAIN8.gpus[1].uuid: "GPU is lost"} in published
 
 
+def test_close_ends_the_monitor_and_its_watcher_when_a_cancel_is_swallowed(quick_backoff, monkeypatch):
+    """Python 3.11's wait_for drops a cancellation that lands in the turn its future completes
+    (CPython gh-86296): modelled here by a wait_for that swallows the first one and returns a
+    line, as the real one does when a watcher's beat comes with SIGTERM. The plugin then never
+    exited (seen in CI). close() still ends the task within its bound, and the watcher is gone."""
+    real, swallowed, armed = asyncio.wait_for, [], [True]
+
+    async def swallowing(aw, timeout):
+        try:
+            return await real(aw, timeout)
+        except asyncio.CancelledError:
+            if swallowed or not armed:
+                raise
+            swallowed.append(True)
+            return b'{"ev":"beat","lost":[]}\n'
+
+    monkeypatch.setattr(asyncio, "wait_for", swallowing)
+    settings = Settings(heartbeat_seconds=0.1, heartbeat_timeout_seconds=0.5)
+    mon = Monitor(PLAIN8, "/nonexistent", settings, None, lambda bad: None, lambda t: None, lambda line: None,
+                  argv=[sys.executable, "-c", FAKE, json.dumps(['{"ev":"beat","lost":[]}', 0.05] * 400)],
+                  start_timeout=0.5)
+    watchers = []
+
+    async def main():
+        task = asyncio.create_task(mon.run())
+        await asyncio.sleep(0.5)
+        watchers.extend(child_pids())
+        started = time.monotonic()
+        try:
+            await real(mon.close(task), 10)
+        finally:
+            armed.clear()          # asyncio.run's own cancel at the end is not swallowed
+        return task.done(), time.monotonic() - started
+
+    done, took = asyncio.run(main())
+    assert swallowed and done and took < 3, (swallowed, done, took)
+    assert watchers and not set(watchers) & set(child_pids())
+
+
+def child_pids() -> list[int]:
+    mine = str(os.getpid())
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except (OSError, ValueError):
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[1] == mine and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
 def test_a_gpu_lost_before_the_watcher_starts_is_lost_in_every_beat(machine8):
     uuids = [g["uuid"] for g in machine8.description()["gpus"]]
     set_driver_state(machine8, "gpu4.lost=1")

@@ -48,8 +48,10 @@ def serving(machine, tmp_path, table=None, *, top="", args=(), kubelet=True, exp
     try:
         yield fake, plugin
     finally:
-        code = plugin.terminate()
-        fake.stop()
+        try:
+            code = plugin.terminate()
+        finally:
+            fake.stop()      # its gRPC threads must not outlive the test: later tests fork
         err = plugin.stderr()
         assert "Traceback" not in err, err
         if not expect_exit:

@@ -121,8 +121,7 @@ async def serve(state: PluginState, socket_dir: str, reporter, monitor=None) -> 
     finally:
         state.stop()
         if watch is not None:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+            await monitor.close(watch)
         for endpoint in endpoints:
             await endpoint.stop()
         os.close(dirfd)

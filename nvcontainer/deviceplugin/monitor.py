@@ -29,6 +29,7 @@ from .topology import from_report
 MAX_LINE = 1 << 20
 BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 30.0
+CLOSE_WAITS = (1.0, 1.0, 6.0)      # seconds after each cancel; the last covers _kill's 5 s
 WATCHER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
 
@@ -57,6 +58,7 @@ class Monitor:
         self.numa = dict(numa or {})
         self._said = None
         self.starts = 0
+        self._closing = False
 
     def _state(self, line: str) -> None:
         """Say ``line`` once, however often the same state is reached again."""
@@ -68,11 +70,32 @@ class Monitor:
         self.health = health
         self.publish(rules.bad_units(health, self.inv))
 
+    async def close(self, task: asyncio.Task) -> None:
+        """End ``task`` (the one running :meth:`run`), and with it the watcher.
+
+        Why not only ``task.cancel()``: on Python 3.11, ``asyncio.wait_for`` returns the awaited
+        result and drops the cancellation when both land in one turn of the loop (CPython
+        gh-86296), here a watcher's line arriving as SIGTERM does; the task then read on, and
+        the plugin never exited. So the monitor also stops by itself after its next line, the
+        cancel is repeated, and the wait is bounded: a shutdown never hangs on the watcher."""
+        self._closing = True
+        for limit in CLOSE_WAITS:
+            if task.done():
+                break
+            task.cancel()
+            await asyncio.wait({task}, timeout=limit)
+        if not task.done():
+            log.warning("health watcher: its task did not end; leaving it")
+        elif not task.cancelled() and task.exception() is not None:
+            log.warning(f"health watcher: ended with {escape(task.exception(), 200)}")
+
     async def run(self) -> None:
         backoff = BACKOFF_FIRST
-        while True:
+        while not self._closing:
             started = self.clock()
             why = await self._run_once()
+            if self._closing:
+                return
             if self.clock() - started > 10 * BACKOFF_MAX:
                 backoff = BACKOFF_FIRST
             self._update(rules.on_down(self.health, why))
@@ -116,6 +139,8 @@ class Monitor:
                 return "a line longer than the limit"
             if not line:
                 return error or "exited"
+            if self._closing:
+                return "closing"
             try:
                 msg = json.loads(line)
             except ValueError:
