@@ -144,6 +144,44 @@ def test_a_hung_driver_stops_the_beat_and_a_failing_one_ends_the_watcher(machine
     assert watcher.line(2.0) == "EOF" and watcher.proc.wait(5) == 1
 
 
+PARENT = r"""
+import json, subprocess, sys, time
+request = sys.argv[1]
+proc = subprocess.Popen([sys.executable, "-I", "-m", "nvcontainer.deviceplugin.watcher"], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, env=json.loads(sys.argv[2]))
+proc.stdin.write(request.encode())
+proc.stdin.close()
+proc.stdout.readline()
+print(proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_watcher_stuck_in_the_driver_dies_with_a_killed_plugin(machine8):
+    """The plugin SIGKILLed (OOM, a forced pod deletion) while the driver hangs: the watcher, an
+    unprivileged process blocked in NVML, has no line to write and so no EPIPE to notice; its
+    parent-death signal must end it."""
+    gpus = [g["uuid"] for g in machine8.description()["gpus"]]
+    request = {"library": str(machine8.nvml_library), "gpus": gpus, "user": list(overflow_ids()), "interval": 0.1}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, json.dumps(request), json.dumps(monitor_module.WATCHER_ENV)],
+                              stdout=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        pid = int(parent.stdout.readline())
+        assert f"Uid:\t{overflow_ids()[0]}\t" in open(f"/proc/{pid}/status").read()
+        set_driver_state(machine8, "hang=1")
+        time.sleep(0.3)
+        parent.kill()
+        parent.wait()
+        end = time.monotonic() + 3
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < end:
+            time.sleep(0.02)
+        assert not os.path.exists(f"/proc/{pid}"), "the watcher outlived its plugin"
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+
+
 def test_watcher_refuses_a_bad_request_with_one_line():
     proc = subprocess.run([sys.executable, "-I", "-m", "nvcontainer.deviceplugin.watcher"], input=b"{nope",
                           capture_output=True, timeout=60, env=monitor_module.WATCHER_ENV)

@@ -37,6 +37,7 @@ MAX_LINKS = 36                      # NVML_NVLINK_MAX_LINKS
 
 
 def main() -> int:
+    parent = os.getppid()
     try:
         request = json.loads(sys.stdin.buffer.read(MAX_REQUEST))
         library, gpus = request["library"], request["gpus"][:MAX_GPUS]
@@ -46,7 +47,7 @@ def main() -> int:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return _fail(f"bad request: {exc}")
     try:
-        return _watch(library, gpus, user, interval)
+        return _watch(library, gpus, user, interval, parent)
     except BrokenPipeError:
         return 0
     except Exception as exc:   # anything at all comes back as one line, never a traceback
@@ -66,25 +67,29 @@ def _fail(why: str) -> int:
     return 1
 
 
-def _drop(user) -> None:
+def _drop(user, parent: int) -> None:
+    """Become ``user``, then die with the plugin. In that order: the kernel clears the
+    parent-death signal whenever the effective user or group changes, so set before the drop it
+    was gone, and a watcher stuck in a hung driver (no line to write, so no EPIPE either)
+    outlived a plugin killed with SIGKILL, holding NVML open."""
     import prctl
 
-    prctl.set_pdeathsig(signal.SIGKILL)
-    if os.getppid() == 1:
-        sys.exit(1)
     if user is not None and os.geteuid() == 0:
         uid, gid = int(user[0]), int(user[1])
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
+    prctl.set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != parent:        # the plugin died before the signal was armed
+        sys.exit(1)
 
 
-def _watch(library: str, uuids: list[str], user, interval: float) -> int:
+def _watch(library: str, uuids: list[str], user, interval: float, parent: int) -> int:
     import ctypes
 
     import pynvml as nv   # imported before dropping privileges: the interpreter's files may be root's
 
-    _drop(user)
+    _drop(user, parent)
     ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)   # pynvml's own CDLL then finds this object
     nv.nvmlInit()
     handles = {}
