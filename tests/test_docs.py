@@ -9,7 +9,7 @@ every hyphen, so they render as copy-pasteable ASCII), not in rendered text, whi
 
 from __future__ import annotations
 
-import dataclasses
+from nvcontainer import records
 import json
 import os
 import re
@@ -99,7 +99,7 @@ def test_every_config_key_is_documented_and_nothing_else():
     and every upstream key without an effect is named in KEYS WITHOUT EFFECT with its table."""
     keys = {toolkit.where(t, k): name for t, table in toolkit.TABLES.items() for k, (name, _) in table.items()}
     meta = {"source", "origins", "inert", "note"}
-    fields = [f.name for f in dataclasses.fields(Config) if f.name not in meta]
+    fields = [f.name for f in records.fields(Config) if f.name not in meta]
     assert sorted(fields) == sorted([*keys.values(), *toolkit.RAW.values()]), "Config fields and TOML keys differ"
     for table in toolkit.RAW:   # kept raw, checked by the command that owns it: a section of its own
         assert f".SH THE DEVICE PLUGIN TABLE\n\\fB[{roff(table)}]\\fR" in CONFIG_PAGE.read_text()

@@ -15,7 +15,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
+from nvcontainer.records import replace
 from pathlib import Path
 
 import pytest

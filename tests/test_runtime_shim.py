@@ -9,7 +9,7 @@ import os
 import stat
 import subprocess
 import sys
-from dataclasses import replace
+from nvcontainer.records import replace
 from pathlib import Path
 
 import pytest

@@ -7,7 +7,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
+from nvcontainer.records import replace
 
 import pytest
 

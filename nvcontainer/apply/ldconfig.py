@@ -44,10 +44,10 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
 
 from .. import log
 from ..errors import NvcError, escape
+from ..records import record
 from . import ns, worker
 from .sandbox import enter_and_sandbox, sandbox  # noqa: F401  (sandbox: what a plan's worker runs)
 from .seccomp import ldconfig_filter
@@ -99,7 +99,7 @@ def run_ldconfig(
     report(result, job.program)
 
 
-@dataclass(frozen=True)
+@record
 class Job:
     """One ldconfig run, checked and opened in the host process: what the sandbox needs and
     nothing it would have to look up itself."""

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import os
 import select
-from dataclasses import dataclass
 
 from ..errors import NvcError
+from ..records import record
 
 
-@dataclass
+@record(mutable=True)
 class Pinned:
     pid: int
     pidfd: int

@@ -15,14 +15,14 @@ import errno
 import os
 import shutil
 import stat
-from dataclasses import dataclass
 
 from ..errors import NvcError, escape
 from ..inventory.model import Inventory
 from ..plan.volume import MAX_ENTRIES, NAME, PREFIX, Entry, check_version, entries
+from ..records import record
 
 
-@dataclass(frozen=True)
+@record
 class Result:
     path: str
     created: bool        # False: an identical volume for this version was already there
@@ -187,7 +187,7 @@ def _remove(fd: int, name: str) -> None:
         os.unlink(name, dir_fd=fd)
 
 
-@dataclass(frozen=True)
+@record
 class Volume:
     version: str
     path: str

@@ -13,10 +13,10 @@ import os
 import re
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..errors import escape
 from ..inventory import procfs
+from ..records import record
 from .generate import DRIVER_ANNOTATION, DRIVER_COMMENT
 from .store import SpecFile
 
@@ -30,13 +30,13 @@ _GPU_NODE = re.compile(r"/dev/nvidia(\d+)")
 Probe = Callable[[str], "tuple[str, int, int] | None"]
 
 
-@dataclass(frozen=True)
+@record
 class Running:
     driver_version: str | None                  # None: no driver loaded
     gpus: tuple[tuple[int, str], ...] = ()      # (device minor, bus id) from /proc/driver/nvidia/gpus
 
 
-@dataclass(frozen=True)
+@record
 class Verdict:
     path: str
     recorded_version: str | None

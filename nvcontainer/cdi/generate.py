@@ -21,7 +21,6 @@ import json
 import math
 import os
 from collections import Counter
-from dataclasses import dataclass, replace
 
 from .. import __version__
 from ..errors import NvcError, escape
@@ -30,6 +29,7 @@ from ..plan.build import HostProc, build_plan
 from ..plan.container import ContainerFacts
 from ..plan.model import Device as PlanDevice
 from ..plan.model import Plan
+from ..records import record, replace
 from ..request.decide import CAPABILITIES, Request
 from . import yamltext
 from .spec import Device, DeviceNode, Edits, Hook, Mount, Spec, check_kind, valid_device_name
@@ -55,7 +55,7 @@ DRIVER_ANNOTATION = "nvcontainer/driver-version"
 DRIVER_COMMENT = "nvcontainer-driver-version:"
 
 
-@dataclass(frozen=True)
+@record
 class Options:
     hook_path: str
     vendor: str = "nvidia.com"

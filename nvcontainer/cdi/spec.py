@@ -11,9 +11,9 @@ also what is read back from disk. The dataclasses below are what the generator b
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from ..errors import NvcError, escape
+from ..records import record
 
 KNOWN_VERSIONS = ("0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
 BASE_VERSION = "0.3.0"          # the oldest version engines still read
@@ -26,7 +26,7 @@ _CLASS = re.compile(r"[A-Za-z](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
 _DEVICE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.:-]{0,126}[A-Za-z0-9])?")
 
 
-@dataclass(frozen=True)
+@record
 class DeviceNode:
     path: str                       # in the container
     host_path: str = ""             # on the host, when it differs from path
@@ -46,7 +46,7 @@ class DeviceNode:
         return out
 
 
-@dataclass(frozen=True)
+@record
 class Mount:
     host_path: str
     container_path: str
@@ -59,7 +59,7 @@ class Mount:
         return out
 
 
-@dataclass(frozen=True)
+@record
 class Hook:
     hook_name: str
     path: str
@@ -78,7 +78,7 @@ class Hook:
         return out
 
 
-@dataclass(frozen=True)
+@record
 class Edits:
     env: tuple[str, ...] = ()
     device_nodes: tuple[DeviceNode, ...] = ()
@@ -98,7 +98,7 @@ class Edits:
         return out
 
 
-@dataclass(frozen=True)
+@record
 class Device:
     name: str
     edits: Edits
@@ -107,7 +107,7 @@ class Device:
         return {"name": self.name, "containerEdits": self.edits.to_dict()}
 
 
-@dataclass(frozen=True)
+@record
 class Spec:
     kind: str                                       # vendor/class
     devices: tuple[Device, ...]

@@ -16,9 +16,9 @@ import json
 import os
 import secrets
 import stat
-from dataclasses import dataclass
 
 from ..errors import NvcError, escape
+from ..records import record
 from . import yamltext
 from .spec import validate
 
@@ -28,7 +28,7 @@ MAX_SPEC = 16 << 20
 MAX_FILES = 1024
 
 
-@dataclass(frozen=True)
+@record
 class SpecFile:
     path: str
     priority: int
@@ -36,7 +36,7 @@ class SpecFile:
     text: str          # as read: the YAML header comment carries the driver version
 
 
-@dataclass(frozen=True)
+@record
 class Name:
     name: str                      # vendor/class=device
     path: str                      # the spec file that provides it

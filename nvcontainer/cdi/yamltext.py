@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ..errors import NvcError, escape
+from ..records import record
 
 MAX_DEPTH = 64
 
@@ -105,7 +105,7 @@ def _code_point(high: str, low: str) -> int:
 # --- reading -----------------------------------------------------------------------------------
 
 
-@dataclass
+@record(mutable=True)
 class _Line:
     no: int
     indent: int

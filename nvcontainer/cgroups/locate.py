@@ -16,10 +16,10 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import closing
-from dataclasses import dataclass
 
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
+from ..records import record
 
 MAX_CGROUP_FILE = 64 * 1024        # one line per hierarchy; a few hundred bytes in practice
 MAX_MOUNTINFO = 64 * 1024 * 1024   # hosts with many containers have tens of thousands of mounts
@@ -29,13 +29,13 @@ MAX_UID_MAP = 64 * 1024
 EXITED = "container exited during configuration"
 
 
-@dataclass(frozen=True)
+@record
 class CgroupTarget:
     version: int   # 1 or 2
     path: str      # the cgroup directory, e.g. /sys/fs/cgroup/devices/docker/<id>
 
 
-@dataclass(frozen=True)
+@record
 class CgroupMount:
     root: str        # part of the hierarchy the mount shows, "/" for the whole of it
     mountpoint: str

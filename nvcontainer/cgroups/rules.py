@@ -9,9 +9,9 @@ configuration and tests and accepts only the same strict form.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from ..errors import NvcError, escape
+from ..records import record
 
 # Linux dev_t: 12-bit major, 20-bit minor (include/linux/kdev_t.h).
 MAX_MAJOR = (1 << 12) - 1
@@ -23,7 +23,7 @@ ACCESS_ORDER = "rwm"
 _RULE_RE = re.compile(r"([cb]) ([0-9]{1,7}):([0-9]{1,7}) ([rwm]{1,3})")
 
 
-@dataclass(frozen=True)
+@record
 class Rule:
     type: str     # 'c' (character) or 'b' (block)
     major: int

@@ -7,10 +7,10 @@ The text and CSV forms are byte-for-byte what nvidia-container-cli prints (REFER
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 from ..errors import NvcError
 from ..inventory.model import Inventory
+from ..records import record
 from ..request.selection import AllowList, Selection
 
 _INFO_FIELDS = ("Device Index", "Device Minor", "Model", "Brand", "GPU UUID", "Bus Location", "Architecture")
@@ -68,7 +68,7 @@ def info_json(inv: Inventory, allow: AllowList | None = None) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-@dataclass(frozen=True)
+@record
 class ListOptions:
     devices: bool = False
     libraries: bool = False

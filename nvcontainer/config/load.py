@@ -28,10 +28,10 @@ import errno
 import json
 import os
 import stat
-from dataclasses import replace
 
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
+from ..records import replace
 from . import toolkit, values
 from .model import Config
 

@@ -8,12 +8,12 @@ reads a :class:`Config`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
 
+from ..records import field, record, replace
 from .values import CAPABILITIES, absolute, path, user as user_value
 
 
-@dataclass(frozen=True)
+@record
 class Config:
     root: str = "/"
     ldcache: str = "/etc/ld.so.cache"

@@ -22,9 +22,9 @@ Time-sliced replicas ``<id>::<k>`` name the same GPU; the container is given eac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from ..errors import escape
+from ..records import record
 from ..request.decide import DEVICES_ROOT, VISIBLE_DEVICES
 from .devices import Advertised, Resource
 from .settings import Settings
@@ -45,14 +45,14 @@ class Refused(Exception):
         self.message = message
 
 
-@dataclass(frozen=True)
+@record
 class MountSpec:
     container_path: str
     host_path: str
     read_only: bool = True
 
 
-@dataclass(frozen=True)
+@record
 class ContainerResponse:
     envs: tuple[tuple[str, str], ...] = ()
     mounts: tuple[MountSpec, ...] = ()

@@ -21,10 +21,10 @@ An ID is the device's UUID (``GPU-…``, ``MIG-…``) or its index (``0``, ``0:1
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
 from ..errors import NvcError, escape
 from ..inventory.model import Gpu, Inventory, MigDevice
+from ..records import field, record
 from .settings import Settings
 
 VENDOR = "nvidia.com"
@@ -34,7 +34,7 @@ MAX_ID = 63                     # Device.ID's limit in the API
 _PROFILE = re.compile(r"MIG ([0-9A-Za-z][0-9A-Za-z.+_-]{0,40})$")
 
 
-@dataclass(frozen=True)
+@record
 class Unit:
     """What a container can be given: a whole GPU, or one MIG device of it."""
 
@@ -55,7 +55,7 @@ class Unit:
         return self.uuid if id_strategy == "uuid" else self.index
 
 
-@dataclass(frozen=True)
+@record
 class Advertised:
     id: str
     unit: Unit
@@ -63,7 +63,7 @@ class Advertised:
     numa: int | None = None
 
 
-@dataclass(frozen=True)
+@record
 class Resource:
     name: str                        # nvidia.com/gpu, nvidia.com/mig-1g.10gb, ...
     devices: tuple[Advertised, ...]

@@ -19,23 +19,23 @@ The rules, NVIDIA's plugin's plus recovery:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 
 from ..inventory.model import Inventory
+from ..records import field, record, replace
 
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 XID_CRITICAL_EVENT = 0x8          # nvmlEventTypeXidCriticalError
 NO_INSTANCE = 0xFFFFFFFF
 
 
-@dataclass(frozen=True)
+@record
 class Health:
     xids: tuple = ()                  # ((gpu uuid, gi, ci), xid, at), one per instance key
     lost: frozenset = frozenset()     # GPU UUIDs that do not answer
     down: str = ""                    # why the driver does not answer; "" when it does
 
 
-@dataclass(frozen=True)
+@record
 class Policy:
     ignore: frozenset = field(default_factory=frozenset)
     recovery: float = 0               # seconds; 0: never

@@ -37,9 +37,9 @@ sysfs                               "/sys"                             where the
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
 
 from ..errors import NvcError, escape
+from ..records import record, replace
 
 MIG_STRATEGIES = ("none", "single", "mixed")
 ID_STRATEGIES = ("uuid", "index")
@@ -53,7 +53,7 @@ _KIND = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}/[A-Za-z][A-Za-z0-9_.-]{0,62}")
 _PREFIX = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/")
 
 
-@dataclass(frozen=True)
+@record
 class Settings:
     socket_dir: str = DEFAULT_SOCKET_DIR
     mig_strategy: str = "none"

@@ -11,17 +11,17 @@ arrives (or when NVML cannot answer), preferred allocation works from the NUMA n
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 from .. import log
 from ..errors import escape
 from ..inventory.model import Inventory
+from ..records import field, record
 
 SYSTEM = 50            # NVML_TOPOLOGY_SYSTEM: the farthest two GPUs can be
 MAX_NUMA = 1 << 16
 
 
-@dataclass(frozen=True)
+@record
 class Topology:
     """``numa``: GPU index → NUMA node (absent: unknown). ``links``: (i, j) with i < j → the
     number of NVLinks between GPUs i and j. ``pcie``: (i, j) → NVML's common-ancestor level

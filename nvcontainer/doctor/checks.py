@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
 
 from ..errors import escape
+from ..records import asdict, field, record
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 LIBRARIES = ("libnvidia-ml.so.1", "libcuda.so.1")
 CDI_HINT = "nvcontainer cdi generate --output /var/run/cdi/nvidia.yaml"
 
 
-@dataclass(frozen=True)
+@record
 class Check:
     name: str
     verdict: str
@@ -27,14 +27,14 @@ class Check:
     fix: str = ""
 
 
-@dataclass(frozen=True)
+@record
 class Node:
     path: str                                   # as on the host (driver root included)
     expected: tuple[int, int]
     found: tuple[str, int, int] | None          # check.probe's answer
 
 
-@dataclass(frozen=True)
+@record
 class Facts:
     root: str = "/"
     ldcache: str = "/etc/ld.so.cache"

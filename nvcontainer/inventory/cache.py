@@ -39,10 +39,10 @@ from __future__ import annotations
 import binascii
 import json
 import os
-from dataclasses import replace
 
 from .. import __version__, log
 from ..errors import escape
+from ..records import replace
 from . import procfs
 from .cachefile import LOCK, PREFIX, Lock, open_cache_dir, read_entry, write_entry
 from .stored import checker, facts_ok, inventory_to_json, minors_from_json

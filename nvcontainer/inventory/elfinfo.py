@@ -21,10 +21,11 @@ from __future__ import annotations
 import os
 import stat
 import struct
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from nvcontainer.errors import NvcError, escape
+
+from ..records import record
 
 _MACHINES = {
     3: "EM_386",
@@ -51,7 +52,7 @@ _MAX_NOTE_BYTES = 4096
 _MAX_NAME = 255                 # SONAME and DT_NEEDED values are file names
 
 
-@dataclass(frozen=True)
+@record
 class ElfFacts:
     elf_class: int                               # 32 or 64
     machine: str                                 # e.g. "EM_X86_64"; "EM_<n>" when not listed

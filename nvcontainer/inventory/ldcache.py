@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 import stat
 import struct
-from dataclasses import dataclass
 
 from nvcontainer.errors import NvcError, escape
+from nvcontainer.records import record
 
 # Architecture codes kept in bits 8..15 of an entry's flags (glibc's FLAG_*_LIB* values).
 ARCH_I386 = 0x0000
@@ -58,7 +58,7 @@ _ENDIAN_MASK = 0x03
 _ENDIAN_NATIVE = 0x02 if struct.pack("=H", 1) == b"\x01\x00" else 0x03
 
 
-@dataclass(frozen=True)
+@record
 class CacheEntry:
     flags: int
     key: str     # the SONAME, e.g. libcuda.so.1

@@ -9,14 +9,14 @@ container. Everything here converts to and from JSON-able dicts so it can be cac
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from ..records import asdict, field, fields, record
 
 NVIDIA_MAJOR = 195
 CTL_MINOR = 255
 MODESET_MINOR = 254
 
 
-@dataclass(frozen=True)
+@record
 class DeviceNode:
     path: str   # e.g. /dev/nvidia0, the same inside the root and inside the container
     major: int
@@ -27,7 +27,7 @@ class DeviceNode:
         return f"c {self.major}:{self.minor} rw"
 
 
-@dataclass(frozen=True)
+@record
 class MigDevice:
     parent: int          # index of the parent GPU
     index: int           # j in the "i:j" token
@@ -41,7 +41,7 @@ class MigDevice:
     name: str = ""       # as NVML names it: "<GPU model> MIG <profile>" (the device plugin's resource)
 
 
-@dataclass(frozen=True)
+@record
 class Gpu:
     index: int
     minor: int
@@ -60,7 +60,7 @@ class Gpu:
         return DeviceNode(f"/dev/nvidia{self.minor}", NVIDIA_MAJOR, self.minor)
 
 
-@dataclass(frozen=True)
+@record
 class DriverFile:
     """A file of the driver: a library, a binary, an IPC endpoint or a firmware blob.
 
@@ -77,7 +77,7 @@ class DriverFile:
     kind: str = ""           # IPC: "socket" or "dir"; graphics: "config", "module" (at ``name``) or "library"
 
 
-@dataclass(frozen=True)
+@record
 class MigControl:
     """Files and nodes that the mig-config / mig-monitor options expose."""
 
@@ -87,7 +87,7 @@ class MigControl:
     monitor_cap: DeviceNode | None = None
 
 
-@dataclass(frozen=True)
+@record
 class Inventory:
     root: str
     driver_version: str

@@ -9,8 +9,7 @@ are derived from the model's own field types, so a model change is followed.
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
-
+from ..records import fields, replace
 from .model import DeviceNode, DriverFile, Gpu, Inventory, MigControl, MigDevice
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 
+from ..records import record
 from ..request import require
 from . import volume
 from ..errors import NvcError, escape
@@ -28,7 +28,7 @@ COMPAT_DROP_IN = "/etc/ld.so.conf.d/00-nvcontainer-cuda-compat.conf"
 IMEX_DIR = "/dev/nvidia-caps-imex-channels"
 
 
-@dataclass(frozen=True)
+@record
 class HostProc:
     """The host's ``/proc/driver/nvidia`` files the container gets copies or binds of."""
 
@@ -38,7 +38,7 @@ class HostProc:
     gpu_dirs: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@record
 class PlanOptions:
     no_cgroups: bool = False
     no_devbind: bool = False

@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import re
 import stat
-from dataclasses import dataclass
 
 from .. import log
 from ..errors import NvcError, escape
 from ..fs.inroot import open_in_root
+from ..records import record
 
 COMPAT_DIR = "/usr/local/cuda/compat"
 MAX_COMPAT_ENTRIES = 1024
@@ -32,14 +32,14 @@ _MULTIARCH = {
 _ELF_MACHINE = {"x86_64": "EM_X86_64", "aarch64": "EM_AARCH64", "ppc64le": "EM_PPC64"}
 
 
-@dataclass(frozen=True)
+@record
 class CompatLib:
     path: str        # container path, e.g. /usr/local/cuda/compat/libcuda.so.560.35.03
     version: str
     major: int
 
 
-@dataclass(frozen=True)
+@record
 class ContainerFacts:
     libs_dir: str
     libs32_dir: str

@@ -9,7 +9,8 @@ absolute paths on the host (the driver root prefix included).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+
+from ..records import field, record
 
 # Mount options per class (REFERENCE §2.7); the apply layer maps them to MOUNT_ATTR_* flags.
 LIBRARY_OPTIONS = ("ro", "nosuid", "nodev")
@@ -19,7 +20,7 @@ PROC_OPTIONS = ("ro", "nosuid", "nodev", "noexec")
 TMPFS_OPTIONS = ("ro", "nosuid", "nodev", "noexec")
 
 
-@dataclass(frozen=True)
+@record
 class Mount:
     source: str                 # host path
     target: str                 # container path
@@ -30,7 +31,7 @@ class Mount:
         return {"source": self.source, "target": self.target, "options": list(self.options), "kind": self.kind}
 
 
-@dataclass(frozen=True)
+@record
 class Device:
     """A device node given to the container: bound from ``source`` (checked by ``st_rdev``)."""
 
@@ -47,7 +48,7 @@ class Device:
         return {"path": self.path, "major": self.major, "minor": self.minor, "source": self.source}
 
 
-@dataclass(frozen=True)
+@record
 class Symlink:
     link: str                   # container path of the link
     target: str                 # what it points to (a name in the same directory)
@@ -56,7 +57,7 @@ class Symlink:
         return {"link": self.link, "target": self.target}
 
 
-@dataclass(frozen=True)
+@record
 class File:
     """A small file the plan writes: into a tmpfs it builds, or an ld.so.conf.d drop-in."""
 
@@ -68,7 +69,7 @@ class File:
         return {"path": self.path, "content": self.content, "mode": f"{self.mode:04o}"}
 
 
-@dataclass(frozen=True)
+@record
 class Tmpfs:
     """A tmpfs built detached, filled, made read-only, then attached whole at ``target``.
 
@@ -92,7 +93,7 @@ class Tmpfs:
         }
 
 
-@dataclass(frozen=True)
+@record
 class Ldconfig:
     ldconfig: str               # "@/sbin/ldconfig": a host binary, run sealed in a sandbox
     directories: tuple[str, ...]
@@ -101,7 +102,7 @@ class Ldconfig:
         return {"ldconfig": self.ldconfig, "directories": list(self.directories)}
 
 
-@dataclass(frozen=True)
+@record
 class Plan:
     gpu: bool
     rootfs: str = ""

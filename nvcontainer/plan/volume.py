@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 
 from ..errors import NvcError, escape
 from ..inventory.model import Inventory
+from ..records import record
 
 CONTAINER_PATH = "/usr/local/nvidia"
 PREFIX = "nvidia_"
@@ -30,7 +30,7 @@ NAME = re.compile(PREFIX + r"([0-9]{1,6}(?:\.[0-9]{1,6}){0,3})")
 MAX_ENTRIES = 4096
 
 
-@dataclass(frozen=True)
+@record
 class Entry:
     """``path`` inside the version directory (``lib64/libcuda.so.1``); a copy of the host file
     ``source``, or a symlink to ``target`` (a name in the same directory)."""

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 from ..config.values import CAPABILITIES
 from ..errors import NvcError, escape
+from ..records import record
 from . import require
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ _SEMVER = re.compile(
 )
 
 
-@dataclass(frozen=True)
+@record
 class Request:
     """``gpu`` False: not a GPU container, leave it alone. ``devices``: ``"all"``, or the validated
     id tokens in request order; ``()`` with ``gpu`` True is the driver without any GPU (``none``).

@@ -27,10 +27,10 @@ import re
 import select
 import stat
 import time
-from dataclasses import dataclass, field
 
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
+from ..records import field, record
 
 STATE_CAP = 1 << 20          # crun puts every annotation in the state; 1 MiB is plenty
 SPEC_CAP = 16 << 20
@@ -42,7 +42,7 @@ STATE_SECONDS = 5.0          # for the state to arrive; runtimes write it at onc
 _UNUSABLE = re.compile("[\x00\ud800-\udfff]")
 
 
-@dataclass(frozen=True)
+@record
 class State:
     pid: int
     bundle: str
@@ -50,7 +50,7 @@ class State:
     annotations: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@record
 class Mount:
     source: str
     destination: str
@@ -58,7 +58,7 @@ class Mount:
     options: tuple[str, ...]
 
 
-@dataclass(frozen=True)
+@record
 class Spec:
     """What the hook needs from config.json.
 

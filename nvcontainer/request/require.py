@@ -18,10 +18,10 @@ and driver versions and the GPU it failed on.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ..errors import NvcError, escape
+from ..records import record
 
 MAX_LENGTH = 4096
 MAX_EXPRESSIONS = 32
@@ -33,7 +33,7 @@ _NAMES = ("cuda", "driver", "arch", "brand")
 _UPDATE_HINT = ", please update your driver to a newer version, or use an earlier cuda container"
 
 
-@dataclass(frozen=True)
+@record
 class Term:
     name: str            # lower case: cuda, driver, arch or brand
     op: str
@@ -55,7 +55,7 @@ class Term:
         return _compare(_version(have, self.name), self.op, _version(self.value, self.name))
 
 
-@dataclass(frozen=True)
+@record
 class Expression:
     text: str
     alternatives: tuple[tuple[Term, ...], ...]

@@ -13,10 +13,10 @@ in a request. It is checked here, where tokens meet devices, so no front end can
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from ..errors import NvcError, escape
 from ..inventory.model import Gpu, Inventory, MigDevice
+from ..records import record
 
 MAX_TOKENS = 1024
 
@@ -25,7 +25,7 @@ _MIG_PAIR_RE = re.compile(r"^(\d{1,4}):(\d{1,4})$")
 _LEGACY_MIG_RE = re.compile(r"^MIG-(GPU-[0-9a-fA-F-]+)/(\d{1,4})/(\d{1,4})$")
 
 
-@dataclass(frozen=True)
+@record
 class Selection:
     gpus: tuple[Gpu, ...] = ()
     migs: tuple[MigDevice, ...] = ()
@@ -36,7 +36,7 @@ class Selection:
         return tuple(g for g in self.gpus if g.index in self.whole)
 
 
-@dataclass(frozen=True)
+@record
 class AllowList:
     """The devices this node may hand out: whole GPUs (with all their MIG devices) by index, and
     single MIG devices by (parent, index). ``unknown``: entries that name nothing on this host;

@@ -14,7 +14,8 @@ with the same tables (:data:`GLOBAL_VALUED`, :data:`CREATE_VALUED`); a test hold
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+
+from ..records import record
 
 # Global options that take a value: runc's, then crun's own.
 GLOBAL_VALUED = ("--log", "--log-format", "--root", "--criu", "--rootless", "--log-level", "--cgroup-manager")
@@ -24,7 +25,7 @@ ALIASES = {"-b": "--bundle", "-f": "--config"}
 EDITING = ("create", "run")
 
 
-@dataclass(frozen=True)
+@record
 class Invocation:
     command: str | None                 # None: no command (runc --version, --help)
     options: dict                       # global options given, by long name (last one wins)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 
 from ..config.model import Config
 from ..errors import NvcError, escape
+from ..records import record
 from ..request.decide import DEVICES_ROOT, MAX_IDS, MAX_VALUE, VISIBLE_DEVICES
 from ..request.oci import Spec
 
@@ -26,7 +26,7 @@ _NAME = re.compile(r"[A-Za-z](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?/[A-Za-z](?:[A-
                    r"=[A-Za-z0-9](?:[A-Za-z0-9_.:-]{0,126}[A-Za-z0-9])?")
 
 
-@dataclass(frozen=True)
+@record
 class Asked:
     names: tuple[str, ...]          # fully qualified, in request order, once each
     source: str                     # where they came from, for messages

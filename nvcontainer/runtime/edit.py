@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..config.model import Config
 from ..errors import NvcError, escape
+from ..records import record
 from ..request import oci
 from ..request.decide import request_from_env
 from . import cdinames, specdict
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # nothing.
 
 
-@dataclass(frozen=True)
+@record
 class CdiView:
     """The spec directories as the shim sees them at this create."""
     specs: tuple["SpecFile", ...]
@@ -44,14 +44,14 @@ class CdiView:
     probe: Callable[[str], tuple[str, int, int] | None]
 
 
-@dataclass(frozen=True)
+@record
 class World:
     hook: Callable[[], dict]            # the prestart entry legacy mode adds, found on demand
     inventory: Callable[[], object]     # the driver inventory, read on demand
     cdi: Callable[[], CdiView]          # the CDI spec directories, read on demand
 
 
-@dataclass(frozen=True)
+@record
 class Edit:
     data: bytes | None                  # the new config.json; None: leave it as it is
     mode: str                           # the mode that decided: legacy or cdi

@@ -20,11 +20,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import NvcError, escape
 from ..inventory.catalog import DEFAULT_PATH
+from ..records import record
 from . import containerd, jsonedit, record as records, tomltext, units, versions
 from .install import RUNTIME, Install, hook_entry
 from .model import Build, Link, RemoveFile, Steps, Systemctl, Unlink, WriteFile
@@ -46,7 +46,7 @@ CRIO_HEADER = ("# Written by 'nvcontainer setup crio': the runtime 'nvidia' for 
                "# 'nvcontainer setup crio --undo' removes it.\n")
 
 
-@dataclass(frozen=True)
+@record
 class Options:
     engine: str
     served: bool = True                 # the served client, and the socket-activated server
@@ -58,7 +58,7 @@ class Options:
     version: tuple[int, ...] | None = None
 
 
-@dataclass(frozen=True)
+@record
 class World:
     """What the decision reads, as functions of a path (the prefix already applied)."""
     read: Callable[[str], str | None]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 from ..inventory.catalog import DEFAULT_PATH
+from ..records import record
 
 HOOK = "nvcontainer-hook"
 CLIENT = "nvcontainer-hook-client"
@@ -23,7 +23,7 @@ RUNTIME = "nvidia-container-runtime"
 TIMEOUT_MARGIN = 30   # seconds a hooks.d timeout gives beyond the hook's own deadline
 
 
-@dataclass(frozen=True)
+@record
 class Install:
     bin_dir: str                    # nvcontainer, nvcontainer-hook, the drop-in names
     python: str                     # this installation's interpreter

@@ -9,12 +9,12 @@ touches the host, and only as these values say. Each change also says how it is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from ..records import field, record
 
 ABSENT = None   # a file that does not exist; a key that was not set (in an undo record: "absent")
 
 
-@dataclass(frozen=True)
+@record
 class WriteFile:
     """``path`` gets ``content``. ``old`` is the text it was decided from (None: absent): the write
     happens only if the file still holds that. ``own``: the whole file is ours (a drop-in, a
@@ -29,7 +29,7 @@ class WriteFile:
     imports: str = ""       # TOML files: the imports entry added
 
 
-@dataclass(frozen=True)
+@record
 class RemoveFile:
     """``path`` goes (an undo); ``restore``: a backup whose text goes back in its place."""
     path: str
@@ -37,13 +37,13 @@ class RemoveFile:
     restore: str | None = None
 
 
-@dataclass(frozen=True)
+@record
 class Link:
     path: str
     target: str
 
 
-@dataclass(frozen=True)
+@record
 class Unlink:
     """A link of ours removed (an undo); ``restore``: the backup moved back where it was."""
     path: str
@@ -51,7 +51,7 @@ class Unlink:
     restore: str | None = None
 
 
-@dataclass(frozen=True)
+@record
 class Build:
     """A native program compiled for this installation before anything names it."""
     kind: str          # "client" (the hook client) or "runtime" (the runtime shim's front)
@@ -59,13 +59,13 @@ class Build:
     python: str
 
 
-@dataclass(frozen=True)
+@record
 class Systemctl:
     """``systemctl ARGS``, run only on a live systemd and the real root; else a note says it."""
     args: tuple[str, ...]
 
 
-@dataclass(frozen=True)
+@record
 class Steps:
     engine: str
     changes: tuple = ()                       # WriteFile | RemoveFile | Link | Unlink, in order
