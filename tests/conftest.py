@@ -1,6 +1,16 @@
+import os
 import sys
 
 import pytest
+
+# The device plugin's tests run a fake kubelet and gRPC clients in this process, and most other
+# tests fork workers that enter a container's mount namespace. With gRPC's fork support on (its
+# default), gRPC's fork handler starts a thread in every forked child, and setns(CLONE_NEWNS)
+# refuses a multi-threaded caller (EINVAL): the mount-worker tests that ran after the device
+# plugin's failed whenever no standby worker from before was left. The product never mixes the
+# two (the hook's path never imports gRPC; the plugin forks only to exec its watcher), so only
+# this process turns it off; the plugin it starts gets the environment without it.
+os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
 
 pytest_plugins = ["tests.fixtures.fakegpu.plugin"]
 
