@@ -111,11 +111,10 @@ def _build(cls, mutable: bool):
     for name, method in (("__init__", _init), ("__repr__", _repr), ("__eq__", _eq)):
         if name not in cls.__dict__:
             setattr(cls, name, method)
-    if mutable:
-        if "__hash__" not in cls.__dict__ or cls.__dict__["__hash__"] is None:
-            cls.__hash__ = None
-    else:
-        cls.__hash__ = _hash
+    own_hash = cls.__dict__.get("__hash__") is not None      # a class with __eq__ alone has None there
+    if not own_hash:
+        cls.__hash__ = None if mutable else _hash
+    if not mutable:
         cls.__setattr__ = _frozen
         cls.__delattr__ = _frozen
     return cls

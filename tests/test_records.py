@@ -82,6 +82,23 @@ def test_field_options_default_factory_compare_hash_repr():
     assert hash(ours("x", note="n", items=(1,))) == hash(theirs("x", note="n", items=(1,)))
 
 
+def test_a_class_keeps_the_methods_it_writes_itself():
+    space = {"records": records}
+    exec("""
+@records.record
+class Named:
+    name: str
+    def __eq__(self, other):
+        return isinstance(other, Named) and self.name.lower() == other.name.lower()
+    def __hash__(self):
+        return hash(self.name.lower())
+    def __repr__(self):
+        return f"<{self.name}>"
+""", space)
+    named = space["Named"]
+    assert named("GPU") == named("gpu") and hash(named("GPU")) == hash(named("gpu")) and repr(named("a")) == "<a>"
+
+
 def test_non_default_after_default_is_refused():
     with pytest.raises(TypeError, match="non-default argument 'b' follows default argument"):
         exec("@records.record\nclass Bad:\n    a: int = 0\n    b: int\n", {"records": records})
