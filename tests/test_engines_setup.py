@@ -45,24 +45,6 @@ echo "LDCONFIG:$(ldconfig -p | grep -oE 'lib(cuda|nvidia-ml)\.so\.1 ' | sort | t
 echo "DONE:ok"
 """
 
-WRAPPER = """#!/bin/sh
-# test stand-in: a real driver's procfs has /proc/driver/nvidia; then the real program
-state=$(cat)
-printf '%s' "$state" | {python} -I -c '{proc_driver}' || exit 1
-printf '%s' "$state" | exec {program} "$@"
-"""
-
-# A transparent stand-in that keeps the bundle's config.json at create, then runs the next one.
-KEEPER = """#!/bin/sh
-bundle=. prev= command=
-for a in "$@"; do
-  case "$prev" in --bundle|-b) bundle=$a ;; esac
-  case "$a" in --bundle=*) bundle=${{a#--bundle=}} ;; create|run) [ -n "$command" ] || command=$a ;; esac
-  prev=$a
-done
-[ -z "$command" ] || cp "$bundle/config.json" {keep}
-exec {next} "$@"
-"""
 
 
 def need(*tools):
@@ -92,15 +74,12 @@ def node(tmp_path_factory, machine):
         os.symlink(VENV / name, bin_dir / name)
     native.build(str(bin_dir / native.NAME), sys.executable)
     native.build_runtime(str(bin_dir / "nvidia-container-runtime"), sys.executable)
-    proc_driver = runtime.PROC_DRIVER_HOOK.replace("'", "'\\''")
-    script(bin_dir / "nvidia-container-runtime-hook", WRAPPER.format(
-        python=sys.executable, proc_driver=proc_driver, program=VENV / "nvidia-container-runtime-hook"))
-    hook = script(base / "served-hook", WRAPPER.format(python=sys.executable, proc_driver=proc_driver,
-                                                       program=bin_dir / native.NAME))
+    script(bin_dir / "nvidia-container-runtime-hook", runtime.driver_wrapper(VENV / "nvidia-container-runtime-hook"))
+    hook = script(base / "served-hook", runtime.driver_wrapper(bin_dir / native.NAME))
     keep = base / "keep"
     keep.mkdir()
-    low = script(base / "runc-keeper", KEEPER.format(keep=keep / "after.json", next=shutil.which("runc")))
-    script(base / "shim-keeper", KEEPER.format(keep=keep / "before.json", next=bin_dir / "nvidia-container-runtime"))
+    low = script(base / "runc-keeper", runtime.keeper(keep / "after.json", shutil.which("runc")))
+    script(base / "shim-keeper", runtime.keeper(keep / "before.json", bin_dir / "nvidia-container-runtime"))
     etc = base / "etc"
     (etc / "nvcontainer").mkdir(parents=True)
     (etc / "nvcontainer/config.toml").write_text(

@@ -20,7 +20,7 @@ import pytest
 
 from tests.fixtures import dockerd, runtime
 from tests.fixtures.fakegpu import FakeSpec
-from tests.test_engines_setup import CHECKS, WRAPPER, assert_gpu0, script
+from tests.test_engines_setup import CHECKS, assert_gpu0, script
 
 LIB = Path("/usr/lib/nvcontainer")
 pytestmark = pytest.mark.skipif(os.environ.get("NVC_PACKAGE_TEST") != "1" or not (LIB / "bin/python3").exists(),
@@ -30,8 +30,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("NVC_PACKAGE_TEST") != "1" or not
 def test_a_gpu_container_through_the_installed_package(fake_machine_factory, tmp_path):
     machine = fake_machine_factory(FakeSpec(gpus=2))
     python = str(LIB / "bin/python3")
-    hook = script(tmp_path / "hook", WRAPPER.format(python=python, proc_driver=runtime.PROC_DRIVER_HOOK.replace(
-        "'", "'\\''"), program=LIB / "bin/nvcontainer-hook-client"))
+    hook = script(tmp_path / "hook", runtime.driver_wrapper(LIB / "bin/nvcontainer-hook-client", python))
     etc = tmp_path / "etc"
     (etc / "nvcontainer").mkdir(parents=True)
     (etc / "nvcontainer/config.toml").write_text(

@@ -15,7 +15,6 @@ executes the real ``nvidia-container-runtime-hook`` with the same state and argu
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 import subprocess
 import sys
@@ -42,24 +41,6 @@ echo "DONE:ok"
 
 BIN = Path(sys.executable).parent
 
-HOOK_WRAPPER = """#!/bin/sh
-# test stand-in: a real driver's procfs has /proc/driver/nvidia; then the real hook
-state=$(cat)
-printf '%s' "$state" | {python} -I -c {proc_driver} || exit 1
-printf '%s' "$state" | exec {hook} "$@"
-"""
-
-# Transparent stand-ins that keep config.json at create (and run): before the shim, after it.
-KEEPER = """#!/bin/sh
-bundle=. prev= command=
-for a in "$@"; do
-  case "$prev" in --bundle|-b) bundle=$a ;; esac
-  case "$a" in --bundle=*) bundle=${{a#--bundle=}} ;; create|run) [ -n "$command" ] || command=$a ;; esac
-  prev=$a
-done
-[ -z "$command" ] || cp "$bundle/config.json" {keep}
-exec {next} "$@"
-"""
 
 
 class Shim:
@@ -69,8 +50,7 @@ class Shim:
         base.mkdir(parents=True, exist_ok=True)
         self.base = base
         self.hook = base / "gpu-hook"
-        self.hook.write_text(HOOK_WRAPPER.format(python=sys.executable, proc_driver=shlex.quote(runtime.PROC_DRIVER_HOOK),
-                                                 hook=BIN / "nvidia-container-runtime-hook"))
+        self.hook.write_text(runtime.driver_wrapper(BIN / "nvidia-container-runtime-hook"))
         self.hook.chmod(0o755)
         self.log = base / "runtime.log"
         self.config = base / "config.toml"
@@ -89,7 +69,7 @@ class Shim:
 
     def _keeper(self, name: str, keep: Path, next_program) -> Path:
         path = self.base / name
-        path.write_text(KEEPER.format(keep=keep, next=next_program))
+        path.write_text(runtime.keeper(keep, next_program))
         path.chmod(0o755)
         return path
 
