@@ -84,11 +84,11 @@ def hook_entry(base: Path, machine, tarball: Path = TARBALL) -> dict | None:
             "env": workspace.HOOK_ENV, "timeout": 60}
 
 
-def targets(median, p95) -> list[tuple[str, float | None, str, bool | None]]:
+def targets(median, p95, cpu=lambda name: None) -> list[tuple[str, float | None, str, bool | None]]:
     """Issue 17's table: (measure, value, target, met). ``median(name)`` and ``p95(name)`` give a
-    series' figures in ms (None when absent)."""
-    def over(arm: str, base: str = "v1/none") -> float | None:
-        a, b = median(arm), median(base)
+    series' figures in ms, ``cpu(name)`` its median CPU ms per start (None when absent)."""
+    def over(arm: str, base: str = "v1/none", of=median) -> float | None:
+        a, b = of(arm), of(base)
         return None if a is None or b is None else a - b
 
     def ratio(a: float | None, b: float | None) -> float | None:
@@ -105,6 +105,9 @@ def targets(median, p95) -> list[tuple[str, float | None, str, bool | None]]:
     added = None if conc_none is None or conc_served is None else conc_served - conc_none
     concurrency = ratio(added, single)
     growth = ratio(over("growth/all", "growth/none"), over("growth/one", "growth/none"))
+    # CPU: what the start adds over the same run's no-hook arm, all processes it causes (world.py)
+    cpu_served, cpu_nvidia = over("v1/served", of=cpu), over("v1/nvidia", of=cpu)
+    cpu_ratio = ratio(cpu_served, cpu_nvidia)
     return [
         ("served + native client, cgroup v1: overhead / NVIDIA's", served, "<= 0.5x", met(served, 0.5)),
         ("in-process hook: overhead / NVIDIA's", inprocess, "<= 1.5x", met(inprocess, 1.5)),
@@ -115,4 +118,9 @@ def targets(median, p95) -> list[tuple[str, float | None, str, bool | None]]:
         ("32 at once, served: p95 added over no hook / single overhead", concurrency, "<= 3x",
          met(concurrency, 3.0)),
         ("8 GPUs, served: overhead of all / overhead of one", growth, "<= 1.3x", met(growth, 1.3)),
+        ("CPU per start, served (server and spare included): added CPU / NVIDIA's", cpu_ratio, "<= 1x",
+         met(cpu_ratio, 1.0)),
+        ("CPU per start, served: added CPU (ms)", cpu_served, "-", None),
+        ("CPU per start, NVIDIA's hook: added CPU (ms, reference)", cpu_nvidia, "-", None),
+        ("CPU per start, in-process: added CPU (ms)", over("v1/hook", of=cpu), "-", None),
     ]

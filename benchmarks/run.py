@@ -257,17 +257,21 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
 ROWS = (
     ("# runc run of busybox true (interleaved)", None),
     ("cgroup v1, no hook", "v1/none"),
+    ("  CPU of the start: runc and all it waited for, and the server's tree", "v1/none/cpu"),
     ("cgroup v1, hook (served)", "v1/served"),
+    ("  CPU of the start: runc and all it waited for, and the server's tree", "v1/served/cpu"),
     ("cgroup v1, hook (served, Python client)", "v1/served-python"),
     ("cgroup v1, hook (served, console script)", "v1/served-console"),
     ("cgroup v1, hook (served), container asks no GPU", "v1/served-nogpu"),
     ("cgroup v1, hook (in-process)", "v1/hook"),
+    ("  CPU of the start: runc and all it waited for, and the server's tree", "v1/hook/cpu"),
     ("cgroup v1, hook (setup's registration, no server: in-process)", "v1/fallback"),
     ("cgroup v1, hook (in-process) + config.toml", "v1/hook+config"),
     ("cgroup v1, hook (in-process, editable install)", "v1/hook-editable"),
     ("cgroup v1, hook (in-process), container asks no GPU", "v1/hook-nogpu"),
     ("cgroup v1, hook ({label})", "v1/hook-*"),
     ("cgroup v1, NVIDIA's hook 1.17.9 + cli 1.17.0", "v1/nvidia"),
+    ("  CPU of the start: runc and all it waited for, and the server's tree", "v1/nvidia/cpu"),
     ("cgroup v1, NVIDIA's hook, container asks no GPU", "v1/nvidia-nogpu"),
     ("8 GPUs, cgroup v1, no hook", "growth/none"),
     ("8 GPUs, hook (served), GPU 0", "growth/one"),
@@ -377,8 +381,8 @@ def server_section(results: dict) -> tuple[list[str], dict]:
 def report(results: dict, facts: dict, runs: int, concurrency: int, nvml_delay: int) -> tuple[str, dict]:
     series = _series(results)
     s = {name: stats.summary(value["ms"]) for name, value in series.items()}
-    for name, value in results.items():
-        if isinstance(value, dict) and "cpu_ms" in value:
+    for name, value in [*results.items(), *series.items()]:
+        if isinstance(value, dict) and value.get("cpu_ms"):
             s[f"{name}/cpu"] = stats.summary(value["cpu_ms"])
 
     def median(name: str) -> float | None:
@@ -474,7 +478,7 @@ def report(results: dict, facts: dict, runs: int, concurrency: int, nvml_delay: 
                     shown = (label.replace("({label})", f"({other[:-6]}), container asks no GPU")
                              if other.endswith("-nogpu") else label.replace("{label}", other))
                     rows.append((shown, s[name.replace("*", other)]))
-                if f"{name.replace('*', other)}/cpu" in s:
+                if name.startswith("probe-") and f"{name.replace('*', other)}/cpu" in s:
                     rows.append(("  its CPU time (user + system)", s[f"{name.replace('*', other)}/cpu"]))
         elif name in s:
             rows.append((label, s[name]))
@@ -489,7 +493,8 @@ def report(results: dict, facts: dict, runs: int, concurrency: int, nvml_delay: 
             "in-process: the hook run by its own interpreter, as without a server (for comparison)\n"
             + ("WARNING: something listens on /run/nvcontainer/hook.sock: the in-process arms paid its answer\n"
                if facts.get("default_socket_present") else "") + "\n")
-    goals = nvidia.targets(median, lambda name: s.get(name, {}).get("p95"))
+    goals = nvidia.targets(median, lambda name: s.get(name, {}).get("p95"),
+                           lambda name: s.get(f"{name}/cpu", {}).get("median"))
     derived["issue17"] = [{"label": label, "value": value, "target": target, "met": ok}
                           for label, value, target, ok in goals]
     lines += ["", "issue 17's targets, ratios from this run" + ("" if median("v1/nvidia") is not None else

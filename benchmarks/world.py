@@ -8,6 +8,14 @@ its exit status kept, so a failure shows up in the results instead of as a fast 
 A job may name a server (``nvcontainer serve``): it is started here, in this world's mount
 namespace (the server declines hooks from another one), before the first step, and stopped with
 SIGTERM after the last; its start-up time, memory and clean exit are part of the results.
+
+CPU per start (issue 17: "all processes the start causes, server and spare included"): what
+``runc run`` and everything it waited for used (the hook, its workers or NVIDIA's cli and its
+ldconfig, the container; ``getrusage`` of this process's children, microseconds), plus what the
+server's whole tree used from just before the start until it settled again after it (the
+request's child, its workers and sandbox, and the warm-up of the spare that replaces the one
+used), read from a cpuacct cgroup of its own (nanoseconds, reaped processes included). Without
+the v1 cpuacct controller only the first part is measured.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -36,15 +45,30 @@ def timed(argv: list[str]) -> tuple[float, int, str]:
     return ms, proc.returncode, (proc.stderr or proc.stdout).decode(errors="replace")[-600:]
 
 
-def run_container(bundle: str) -> tuple[float, int, str]:
+def run_container(bundle: str) -> tuple[float, int, str, float]:
     """``runc run`` of the bundle, timed; the container is deleted afterwards, untimed. First the
-    world's server is let settle (:func:`settle`)."""
+    world's server is let settle (:func:`settle`). The fourth value is the start's CPU
+    milliseconds (see the module docstring): with a server, it is let settle after the run too,
+    so that the spare the start used up is replaced within this start's account."""
     name = os.path.basename(bundle)
     settle()
+    server_before = SERVER.cpu_ns() if SERVER else None
+    before = _children_cpu_s()
     try:
-        return timed(_runc("run", "--bundle", bundle, name))
+        ms, rc, err = timed(_runc("run", "--bundle", bundle, name))
+        cpu_ms = (_children_cpu_s() - before) * 1000
     finally:
         subprocess.run(_runc("delete", "-f", name), capture_output=True)
+    if server_before is not None:
+        settle()
+        server_after = SERVER.cpu_ns()
+        cpu_ms += (server_after - server_before) / 1e6 if server_after is not None else float("nan")
+    return ms, rc, err, cpu_ms
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 SETTLE_MAX = 1.0       # seconds
@@ -107,10 +131,12 @@ def _results(keys) -> dict:
 
 
 def _record(entry: dict, result: tuple) -> None:
-    """One run's ``(ms, rc, err)``: its time if it exited 0, else its error."""
-    ms, rc, err = result
+    """One run's ``(ms, rc, err[, cpu_ms])``: its time (and CPU) if it exited 0, else its error."""
+    ms, rc, err = result[:3]
     if rc == 0:
         entry["ms"].append(ms)
+        if len(result) > 3 and result[3] == result[3]:   # not NaN
+            entry.setdefault("cpu_ms", []).append(result[3])
     else:
         entry["failures"].append(err)
 
@@ -226,10 +252,30 @@ def forget_boot(cache_dir: str, root: str) -> None:
 # --- the resident server ----------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
+CPUACCT = "/sys/fs/cgroup/cpuacct"
+
+
+def _die_with_parent(account: str | None) -> None:
     """In the server's child before exec: a world that dies for any reason takes its server along
-    (PR_SET_PDEATHSIG), so no server outlives the mount namespace it was started for."""
+    (PR_SET_PDEATHSIG), so no server outlives the mount namespace it was started for; and into
+    its CPU account, so that everything it forks is counted from the first instruction."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+    if account:
+        with open(os.path.join(account, "cgroup.procs"), "w") as f:
+            f.write("0")
+
+
+def _cpu_account() -> str | None:
+    """A cpuacct cgroup for this world's server, or None where v1's cpuacct is not mounted (the
+    cgroup v2 world)."""
+    path = os.path.join(CPUACCT, f"nvc-bench-server-{os.getpid()}")
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    return path if os.path.exists(os.path.join(path, "cpuacct.usage")) else None
 
 
 class Server:
@@ -242,6 +288,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.record = {"ready_ms": [], "status": [], "stop_rc": [], "socket_left": [], "died": 0, "memory": None,
                        "children_cpu_ms": {}}
+        self.account = _cpu_account()
 
     def start(self, timeout: float = 120.0) -> float:
         """Start and wait until it listens; the milliseconds that took (imports, inventory)."""
@@ -249,7 +296,7 @@ class Server:
             offset = log.tell()
             start = time.perf_counter()
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=self.env,
-                                         cwd="/", preexec_fn=_die_with_parent)
+                                         cwd="/", preexec_fn=lambda: _die_with_parent(self.account))
         while True:
             with open(self.log, "rb") as f:
                 f.seek(offset)
@@ -280,6 +327,40 @@ class Server:
         self.record["stop_rc"].append(self.proc.returncode)
         self.record["socket_left"].append(os.path.lexists(self.socket))
         self.proc = None
+
+    def cpu_ns(self) -> int | None:
+        """CPU time of every process the server ever ran, itself included (its cpuacct group)."""
+        if self.account is None:
+            return None
+        try:
+            with open(os.path.join(self.account, "cpuacct.usage")) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return None
+
+    def remove_account(self) -> None:
+        """After :meth:`stop`: the group goes once the last of the server's processes has left it
+        (a straggler is killed after two seconds), so no run leaves a cgroup on the host."""
+        if self.account is None:
+            return
+        for attempt in range(41):
+            try:
+                os.rmdir(self.account)
+                return
+            except OSError:
+                pass
+            try:
+                with open(os.path.join(self.account, "cgroup.procs")) as f:
+                    pids = [int(line) for line in f.read().split()]
+            except (OSError, ValueError):
+                return
+            if attempt >= 40:
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+            time.sleep(0.05)
 
     def children_cpu_ms(self) -> float | None:
         """CPU time (user + system) of the server's reaped children and their workers so far:
@@ -441,6 +522,7 @@ def main(argv: list[str]) -> int:
     finally:
         if SERVER:
             SERVER.stop()
+            SERVER.remove_account()
     if SERVER:
         results["servers"] = {job["server"]["name"]: SERVER.record}
     with open(argv[1], "w") as f:
