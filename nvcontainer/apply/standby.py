@@ -99,14 +99,8 @@ def standby() -> bool:
     theirs.close()
     os.close(wfd)
     try:
-        os.setpgid(pid, pid)
+        pidfd = worker.watch(pid)
     except OSError:
-        pass
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        worker.kill_group(pid)
-        os.waitpid(pid, 0)
         ours.close()
         os.close(rfd)
         return False

@@ -107,19 +107,28 @@ def start(
     if pid == 0:
         _child(parent, fn, args, keep, wfd, max_reply, category, name)  # never returns
     os.close(wfd)
-    # Also set the group from this side: killpg must work even if the child has not run yet.
+    try:
+        pidfd = watch(pid)
+    except OSError as exc:
+        os.close(rfd)
+        raise NvcError(category, f"{name}: cannot watch worker: {exc.strerror}") from None
+    return Worker(pid, pidfd, rfd, deadline, name, category, max_reply)
+
+
+def watch(pid: int) -> int:
+    """The parent's side of a fresh fork: the child's process group set from here too (killpg
+    must work even if the child has not run yet), and a pidfd to wait on. Without a pidfd the
+    child is killed and reaped, and the OSError raised."""
     try:
         os.setpgid(pid, pid)
     except OSError:
         pass
     try:
-        pidfd = os.pidfd_open(pid)
-    except OSError as exc:
+        return os.pidfd_open(pid)
+    except OSError:
         kill_group(pid)
         os.waitpid(pid, 0)
-        os.close(rfd)
-        raise NvcError(category, f"{name}: cannot watch worker: {exc.strerror}") from None
-    return Worker(pid, pidfd, rfd, deadline, name, category, max_reply)
+        raise
 
 
 # --- parent side -----------------------------------------------------------------------------
