@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -353,6 +354,10 @@ def test_spares_that_keep_dying_give_way_to_forking_per_request(server, tmp_path
         time.sleep(0.01)
     else:
         pytest.fail("the server kept forking spares")
+    # said on stderr too (the service's journal), not only in the --debug trace
+    assert select.select([proc.stderr], [], [], 10)[0], "nothing on the server's stderr"
+    assert proc.stderr.readline() == ("nvcontainer serve: warning: 3 spare children in a row died without a "
+                                      "request: forking per request from now on\n")
     time.sleep(0.1)
     assert requests_of(proc.pid) == [] and not subprocess.run(["pgrep", "-P", str(proc.pid), "-x", "nvc-spare"],
                                                               capture_output=True).stdout

@@ -220,8 +220,13 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
                 spare_failures = 0 if taken else spare_failures + 1
                 spare = None
                 if use_spare and spare_failures >= MAX_SPARE_FAILURES:
-                    log.warning(f"{spare_failures} spare children in a row died without a request: "
-                                "forking per request from now on")
+                    # also on stderr (the service's journal): every start is slower from now on,
+                    # and an operator without --debug would otherwise never learn why
+                    message = (f"{spare_failures} spare children in a row died without a request: "
+                               "forking per request from now on")
+                    log.warning(message)
+                    sys.stderr.write(f"nvcontainer serve: warning: {message}\n")
+                    sys.stderr.flush()
                     use_spare = False
             for fd, what in events:
                 if fd == wake_r:
