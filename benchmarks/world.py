@@ -45,7 +45,7 @@ def timed(argv: list[str]) -> tuple[float, int, str]:
     return ms, proc.returncode, (proc.stderr or proc.stdout).decode(errors="replace")[-600:]
 
 
-def run_container(bundle: str) -> tuple[float, int, str, float]:
+def run_container(bundle: str) -> tuple[float, int, str, float | None]:
     """``runc run`` of the bundle, timed; the container is deleted afterwards, untimed. First the
     world's server is let settle (:func:`settle`). The fourth value is the start's CPU
     milliseconds (see the module docstring): with a server, it is let settle after the run too,
@@ -62,7 +62,7 @@ def run_container(bundle: str) -> tuple[float, int, str, float]:
     if server_before is not None:
         settle()
         server_after = SERVER.cpu_ns()
-        cpu_ms += (server_after - server_before) / 1e6 if server_after is not None else float("nan")
+        cpu_ms = None if server_after is None else cpu_ms + (server_after - server_before) / 1e6
     return ms, rc, err, cpu_ms
 
 
@@ -135,7 +135,7 @@ def _record(entry: dict, result: tuple) -> None:
     ms, rc, err = result[:3]
     if rc == 0:
         entry["ms"].append(ms)
-        if len(result) > 3 and result[3] == result[3]:   # not NaN
+        if len(result) > 3 and result[3] is not None:   # None: the server's share was not read
             entry.setdefault("cpu_ms", []).append(result[3])
     else:
         entry["failures"].append(err)

@@ -22,7 +22,6 @@ Time-sliced replicas ``<id>::<k>`` name the same GPU; the container is given eac
 
 from __future__ import annotations
 
-
 from ..errors import escape
 from ..records import record
 from ..request.decide import DEVICES_ROOT, VISIBLE_DEVICES

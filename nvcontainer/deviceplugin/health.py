@@ -19,7 +19,6 @@ The rules, NVIDIA's plugin's plus recovery:
 
 from __future__ import annotations
 
-
 from ..inventory.model import Inventory
 from ..records import field, record, replace
 
