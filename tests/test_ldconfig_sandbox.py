@@ -75,10 +75,19 @@ int main(int argc, char **argv) {
     }
     if (!strncmp(mode, "touch", 5))
         fprintf(out, "exechange %s\n", utimes("/proc/self/exe", NULL) ? strerror(errno) : "ok");
-    struct stat self;
+    struct stat self, self_root;
+    stat("/", &self_root);
     if (!stat("/proc/self/exe", &self))
         fprintf(out, "exe %lu\nexemode %o\n", (unsigned long)self.st_ino, (unsigned)(self.st_mode & 07777));
-    for (int i = 0; i < n_open; i++) fprintf(out, "fd %d\n", open_fds[i]);
+    for (int i = 0; i < n_open; i++) {
+        char link[64], target[256] = "";
+        snprintf(link, sizeof link, "/proc/self/fd/%d", open_fds[i]);
+        ssize_t n = readlink(link, target, sizeof target - 1);
+        struct stat st;
+        int dir = !fstat(open_fds[i], &st) && S_ISDIR(st.st_mode);
+        fprintf(out, "fd %d\nfdlink %d %s %s\n", open_fds[i], open_fds[i], n > 0 ? target : "?",
+                dir ? (st.st_ino == self_root.st_ino && st.st_dev == self_root.st_dev ? "root" : "dir") : "-");
+    }
     for (int i = 0; i < argc; i++) fprintf(out, "argv %s\n", argv[i]);
     int n_env = 0;
     for (char **e = environ; *e; e++) n_env++;
@@ -362,7 +371,10 @@ def test_sandbox_seen_from_inside(container, tmp_path, built, monkeypatch):
     # the image's configuration, flattened by the sandbox into its /dev cover
     assert seen["argv"] == ["ldconfig", "-f", "/dev/ld.so.conf", "-C", "/etc/ld.so.cache", "/usr/lib/nvc"]
     assert seen["env"] == ["0"]
-    assert seen["fd"] == ["0", "1", "2"]  # nothing else from the host, not even the program
+    # nothing else from the host, not even the program: stdio, and the rootfs lock, which is
+    # held through an fd of the sandbox's own "/" (so it lasts until ldconfig exits)
+    assert seen["fd"] == ["0", "1", "2", "4"]
+    assert seen["fdlink"][3] == "4 / root"
     assert seen["pid"] == ["1"]  # init of its own PID namespace ...
     assert seen["proc"] == ["1"]  # ... and the only process its /proc shows
     status = dict(line.split(":", 1) for line in seen["status"])
@@ -436,6 +448,41 @@ def test_deadline_kills_the_sandbox(container, tmp_path, built):
     while memfd_ldconfig_processes():
         assert time.monotonic() < end, "the sandboxed process survived the deadline"
         time.sleep(0.05)
+
+
+def test_runs_on_one_rootfs_wait_for_each_other(container, tmp_path, built):
+    """glibc's ldconfig writes through the fixed name /etc/ld.so.cache~, so two runs on one
+    rootfs must not overlap: a run waits while the rootfs's lock is held, and ldconfig itself
+    holds it for as long as it runs (the sandbox hands it the locked fd)."""
+    rootfs = helper_rootfs(tmp_path, built, "spin")
+    lock = os.open(rootfs, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (tmp_path / "rootfs/mode").write_text("report")
+        with pytest.raises(NvcError, match=r"^timeout error: ldconfig: timed out after 1s$"):
+            run(container, rootfs, ldconfig_host_path=str(built / "helper"), deadline=1)
+        assert not os.path.exists(f"{rootfs}/report")   # it never ran
+        fcntl.flock(lock, fcntl.LOCK_UN)
+
+        (tmp_path / "rootfs/mode").write_text("spin")
+        pid = os.fork()
+        if pid == 0:   # a run that holds the lock until its deadline
+            try:
+                run(container, rootfs, ldconfig_host_path=str(built / "helper"), deadline=3)
+            finally:
+                os._exit(0)
+        try:
+            end = time.monotonic() + 2.5
+            while not memfd_ldconfig_processes():
+                assert time.monotonic() < end, "the spinning run did not start"
+                time.sleep(0.02)
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.waitpid(pid, 0)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)   # free once it was killed
+    finally:
+        os.close(lock)
 
 
 def test_dynamic_program_is_refused(container, tmp_path, built):

@@ -90,12 +90,15 @@ def test_reply_size_is_bounded():
 
 
 def hang_with_grandchild(path):
-    pid = os.fork()
-    if pid == 0:
+    """Its grandchild writes its own PID as the test sees it (the worker may be in a PID
+    namespace of its own, a standby always is: /proc/self of the test's procfs tells)."""
+    if os.fork() == 0:
+        with open("/proc/self/status") as fh:
+            host = next(line.split()[1] for line in fh if line.startswith("NSpid:"))
+        with open(path, "w") as fh:
+            fh.write(f"{host}\n")
         time.sleep(60)
         os._exit(0)
-    with open(path, "w") as fh:
-        fh.write(f"{pid}\n")
     time.sleep(60)
 
 
@@ -349,7 +352,28 @@ def job_facts(fd, other):
         other_target = "closed"
     return {"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "read": read_fd(fd),
             "other": other_target, "cwd": os.getcwd(), "umask": umask, "env": os.environ.get("NVC_STANDBY_TEST"),
-            "stdio": stdio_targets()}
+            "stdio": stdio_targets(), **isolation_facts()}
+
+
+def isolation_facts() -> dict:
+    """The process's PID as its parent sees it, and its namespaces."""
+    with open("/proc/self/status") as fh:
+        nspid = next(line.split()[1:] for line in fh if line.startswith("NSpid:"))
+    return {"host_pid": int(nspid[0]), "namespaces": namespaces("self")}
+
+
+def namespaces(pid) -> dict:
+    return {kind: os.readlink(f"/proc/{pid}/ns/{kind}") for kind in ("pid", "net", "ipc", "uts", "mnt")}
+
+
+def assert_isolated(facts: dict) -> None:
+    """Init of a PID namespace of its own, in network, IPC and UTS namespaces of its own (the
+    ldconfig sandbox's, taken at birth), and still in its parent's mount namespace."""
+    ours = namespaces("self")
+    assert (facts["pid"], facts["ppid"], facts["pgid"]) == (1, 0, 1)
+    for kind in ("pid", "net", "ipc", "uts"):
+        assert facts["namespaces"][kind] != ours[kind], kind
+    assert facts["namespaces"]["mnt"] == ours["mnt"]
 
 
 def test_a_standby_takes_the_next_job_as_a_fork_would_have(tmp_path, monkeypatch, no_standby_left):
@@ -370,13 +394,30 @@ def test_a_standby_takes_the_next_job_as_a_fork_would_have(tmp_path, monkeypatch
         os.umask(old_umask)
         os.close(kept)
         os.close(other)
-    assert reply["pid"] == standby_pid and reply["ppid"] == os.getpid() and reply["pgid"] == standby_pid
+    assert reply["host_pid"] == standby_pid
+    assert_isolated(reply)   # whatever the job: it cannot know whether the next one needs it
     assert reply["read"] == "kept file" and reply["other"] != str(tmp_path / "kept")
     assert (reply["cwd"], reply["umask"], reply["env"]) == (str(tmp_path), 0o027, "from the parent")
     assert reply["stdio"] == ["/dev/null"] * 3
     assert worker._standby is None and gone(standby_pid)
     # the next one is forked again
     assert worker.run(add_and_report, 1, 2, deadline=5, name="add")["pid"] != standby_pid
+
+
+def test_an_isolated_worker_is_born_in_namespaces_of_its_own(tmp_path):
+    (tmp_path / "kept").write_text("kept file")
+    kept = os.open(tmp_path / "kept", os.O_RDONLY)
+    try:
+        before = namespaces("self")
+        reply = worker.run(job_facts, kept, kept, deadline=10, name="isolated", keep_fds=[kept], isolated=True)
+        plain = worker.run(job_facts, kept, kept, deadline=10, name="plain", keep_fds=[kept])
+    finally:
+        os.close(kept)
+    assert_isolated(reply)
+    assert reply["read"] == "kept file" and reply["host_pid"] != os.getpid()
+    assert namespaces("self") == before   # the parent forks into its own PID namespace again
+    assert (plain["pid"], plain["ppid"]) == (plain["host_pid"], os.getpid())
+    assert plain["namespaces"] == before
 
 
 def test_a_job_the_standby_cannot_take_goes_to_a_forked_worker(no_standby_left):

@@ -8,9 +8,9 @@ filesystem or bpf(2)) while ldconfig runs. A failure at any step stops the run w
 naming the step.
 
 Why one worker for both container steps: each worker costs a fork, a ``setns`` and an exit,
-and ldconfig needs the mounts placed first anyway, so the sandbox starts from the worker that
-placed them (it leaves for a private copy of the namespace, as it would from a worker of its
-own). Why the cgroup step beside ldconfig and not after it: it needs nothing from the
+and ldconfig needs the mounts placed first anyway, so the worker that placed them becomes the
+sandbox and then ldconfig itself (it leaves for a private copy of the namespace, and it was
+forked into the sandbox's other namespaces: ``worker.start(..., isolated=True)``). Why the cgroup step beside ldconfig and not after it: it needs nothing from the
 container's namespace and nothing ldconfig does, only ``/proc/PID`` reads in this process,
 which must stay in the host's namespace. Why not beside the mounts too: placing them is also a
 check (a target under a shared mount, i.e. a "container" that is in fact the host's namespace
@@ -56,7 +56,7 @@ def apply(plan: Plan, *, deadline: float = 30.0, mountinfo_pid: int | None = Non
         running = worker.start(
             place_then_ldconfig, pinned.mntns_fd, plan.rootfs, actions, list(plan.owner), fds, job,
             deadline=_left(end, "mount"), name="mount worker", category="mount",
-            keep_fds=[pinned.mntns_fd, *fds, *([job.exe] if job else [])],
+            keep_fds=[pinned.mntns_fd, *fds, *([job.exe] if job else [])], isolated=job is not None,
         )
         try:
             for fd in fds:
@@ -96,8 +96,8 @@ def place_then_ldconfig(mntns_fd: int, rootfs: str, actions: list[dict], owner: 
     if job is None:
         return placed
     worker.stage("ldconfig", "ldcache", placed)
-    # The sandbox's init inherits every fd until it arranges its own: the namespace and the
-    # detached mounts (attached now) go first.
+    # The sandbox is this process, which holds every fd until it arranges its own: the
+    # namespace and the detached mounts (attached now) go first.
     for fd in (mntns_fd, *held):
         os.close(fd)
     if tuple(owner) != (0, 0):

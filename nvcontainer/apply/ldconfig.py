@@ -33,11 +33,11 @@ The module is the sandbox's interface: a :class:`Job` is checked and opened in t
 judged back in the host process (:func:`report`). The sealed copy of the program is
 :mod:`.sealed`'s, the sandbox itself :mod:`.sandbox`'s.
 
-Runs on one rootfs are serialised with an exclusive ``flock`` on the rootfs directory, held by
-the worker (outside the sandbox) until ldconfig exits: glibc's ldconfig writes its cache
-through the fixed temporary name ``/etc/ld.so.cache~`` and replaces SONAME links with
-unlink+symlink, so two containers started at once from one rootfs would otherwise break each
-other's run. Only containers sharing that rootfs can hold the lock up, and the deadline bounds it.
+Runs on one rootfs are serialised with an exclusive ``flock`` on the rootfs directory, taken
+by the sandbox on its "/" and held by ldconfig itself (one fd of its own root) until it exits:
+glibc's ldconfig writes its cache through the fixed temporary name ``/etc/ld.so.cache~`` and
+replaces SONAME links with unlink+symlink, so two containers started at once from one rootfs
+would otherwise break each other's run. Only containers sharing that rootfs can hold the lock up, and the deadline bounds it.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def run_ldconfig(
             name="ldconfig",
             keep_fds=(mntns_fd, job.exe),
             category="ldcache",
+            isolated=True,
         )
     finally:
         job.close()
@@ -137,8 +138,9 @@ def prepare_run(rootfs: str, directories: list[str], *, ldconfig_host_path: str 
 
 
 def report(result: dict, program: str) -> None:
-    """In the host process, after the sandbox's worker answered: its output to the debug log,
-    and ``NvcError("ldcache", ...)`` if the sandbox or ldconfig failed."""
+    """In the host process, after the sandbox's worker ended: ldconfig's output (or, if the
+    sandbox could not be made, what it had to say) to the debug log, and
+    ``NvcError("ldcache", ...)`` if the sandbox or ldconfig failed."""
     for line in result["output"].splitlines():
         log.info(f"ldconfig: {line}")
     problem = failure_message(result, program)
@@ -164,7 +166,7 @@ def failure_message(result: dict, program: str) -> str | None:
     """One line describing why the sandbox or ldconfig failed, or ``None`` on success: what
     happened and ldconfig's last line (its fatal message; everything it printed is in the
     ``--debug`` trace), escaped, never its whole output."""
-    setup = result["setup_error"]
+    setup = result.get("setup_error", "")
     if setup.startswith(IMAGE_PROBLEM):
         return escape(setup[len(IMAGE_PROBLEM):], 400)
     if setup:

@@ -32,6 +32,8 @@ __all__ = [
     "CLONE_NEWPID",
     "CLONE_NEWNET",
     "setns_mount",
+    "setns",
+    "fork_isolated",
     "unshare",
     "pivot_root",
     "clear_capabilities",
@@ -62,6 +64,41 @@ def setns_mount(fd: int) -> None:
     """Enter the mount namespace ``fd`` refers to. The kernel refuses (EINVAL) when the caller
     has more than one thread, and checks that ``fd`` really is a mount namespace."""
     _check(_lib().setns(fd, CLONE_NEWNS), "setns")
+
+
+def setns(fd: int, nstype: int) -> None:
+    """Enter the namespaces ``fd`` names (a namespace file, or a pidfd and the types to take)."""
+    _check(_lib().setns(fd, nstype), "setns")
+
+
+def fork_isolated() -> tuple[int, int | None]:
+    """``os.fork()`` into a new PID namespace, whose init the child is; returns the child's
+    PID and None in the parent, 0 and a pidfd of the parent in the child: from a new PID
+    namespace ``getppid()`` reads 0, so the child learns from that fd whether its parent is
+    gone. The parent's namespace for children is
+    switched for this one fork and back through the pidfd (setns with a pidfd: Linux 5.8)."""
+    me = os.pidfd_open(os.getpid())
+    try:
+        unshare(CLONE_NEWPID)
+        try:
+            pid = os.fork()
+        except BaseException:
+            setns(me, CLONE_NEWPID)
+            raise
+        if pid:
+            try:
+                setns(me, CLONE_NEWPID)   # back to forking into our own namespace
+            except BaseException:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise
+    except BaseException:
+        os.close(me)
+        raise
+    if pid:
+        os.close(me)
+        return pid, None
+    return 0, me
 
 
 def pivot_root(new_root: str, put_old: str) -> None:

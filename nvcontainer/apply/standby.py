@@ -9,7 +9,9 @@ own pages, and waits for one job on a socket pair only its parent holds. The job
 parent's umask, working directory and environment, which a fork would have inherited); the
 kept fds land on the numbers the parent had, so the arguments mean what they meant there. From
 then on it is the same worker: same group, deadline from the hand-over, same reply. A job that
-cannot be handed over (not picklable, too large) goes to a forked worker instead.
+cannot be handed over (not picklable, too large) goes to a forked worker instead. The standby
+is always born isolated (:func:`worker.start`'s ``isolated``: namespaces of its own), since
+it cannot know whether its job will run the ldconfig sandbox, which needs them.
 
 Kept apart from :mod:`.worker` because only a resident server's spare ever has a standby: a
 cold hook run never imports this module.
@@ -24,7 +26,7 @@ import threading
 
 from .. import log
 from ..errors import NvcError
-from . import worker
+from . import fds, ns, worker
 
 MAX_JOB = 1 << 20
 MAX_JOB_FDS = 240        # the kernel takes at most 253 fds in one message
@@ -87,7 +89,7 @@ def standby() -> bool:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     rfd, wfd = os.pipe()
     try:
-        pid = os.fork()
+        pid, parent_fd = ns.fork_isolated()   # isolated, whatever the job: see the module docstring
     except OSError:
         for end in (ours, theirs):
             end.close()
@@ -95,7 +97,7 @@ def standby() -> bool:
         os.close(wfd)
         return False
     if pid == 0:
-        _standby_child(parent, theirs.fileno(), wfd)   # never returns
+        _standby_child(parent, theirs.fileno(), wfd, parent_fd)   # never returns
     theirs.close()
     os.close(wfd)
     try:
@@ -114,8 +116,11 @@ def discard_standby() -> None:
         ready.discard()
 
 
-def _standby_child(parent: int, jobs: int, wfd: int):
-    wfd = worker.become_worker(parent, [jobs], wfd)   # nothing of the server's or the spare's stays here
+def _standby_child(parent: int, jobs: int, wfd: int, parent_fd: int):
+    try:
+        wfd = worker.become_worker(parent, [jobs], wfd, parent_fd)   # nothing of the server's or the spare's stays here
+    except BaseException:
+        os._exit(1)   # the parent forks a worker of its own for the job instead
     from . import prewarm
 
     prewarm.own_pages(lambda: bool(select.select([jobs], [], [], 0)[0]))
@@ -139,14 +144,14 @@ def _install(jobs: int, wfd: int):
     worker.rename(job["name"], job["category"], job["max_reply"])
     # Everything received moves above every number in use before the kept ones take theirs.
     floor = max([*keep, wfd, jobs, 2]) + 1
-    wfd = worker.move_above(wfd, floor) if wfd in keep else wfd
-    moved = [worker.move_above(fd, floor) for fd in received]
+    wfd = fds.move_above(wfd, floor) if wfd in keep else wfd
+    moved = [fds.move_above(fd, floor) for fd in received]
     for target, fd in zip(keep, moved):
         os.dup2(fd, target, inheritable=False)
     os.fchdir(moved[-1])
     os.umask(job["umask"])
     os.environ.clear()
     os.environ.update(job["env"])
-    worker.stdio_to_devnull(keep)
-    worker.close_fds_except([*keep, wfd])
+    fds.stdio_to_devnull(keep)
+    fds.close_fds_except([*keep, wfd])
     return wfd, job["fn"], job["args"]

@@ -23,18 +23,21 @@ the parent the first one succeeded (:meth:`Worker.next_stage` returns then, and 
 the devices cgroup while the second step runs), and the worker's failures from then on carry
 the second step's name and category, as a worker of its own would.
 
+A worker started ``isolated`` is born init of a new PID namespace, in new network, IPC and
+UTS namespaces: the ldconfig sandbox's (:mod:`.sandbox`), taken at birth so the sandbox is the
+worker itself and costs no second fork. Such a worker may end by executing a program whose
+output is its reply pipe (:func:`output_follows`): the parent then gets the program's exit
+status and the tail of its output instead of a JSON answer.
+
 The parent never starts threads: ``fork()`` in a threaded Python can deadlock on locks held by
 other threads, and ``setns(CLONE_NEWNS)`` in the child would fail anyway.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import gc
 import json
 import os
-import resource
 import select
 import signal
 import threading
@@ -45,9 +48,13 @@ import prctl   # here, once: every forked worker (and the ldconfig sandbox) find
 
 from .. import log
 from ..errors import NvcError, escape
+from . import ns
+from .fds import close_fds_except, move_above, stdio_to_devnull
 
 MAX_REPLY = 1 << 20
-_NR_CLOSE_RANGE = 436  # the same on every architecture (post-5.1 syscall table)
+MAX_OUTPUT = 64 << 10  # the tail of a program's output kept (see output_follows)
+ISOLATION = ns.CLONE_NEWNET | ns.CLONE_NEWIPC | ns.CLONE_NEWUTS   # and a new PID namespace
+_EXEC_FRAME = b'{"exec": true}\n'
 _REAP_GRACE = 2.0      # seconds to wait for a SIGKILLed child before leaving it unreaped
 
 
@@ -59,6 +66,7 @@ def run(
     keep_fds: Iterable[int] = (),
     category: str = "internal",
     max_reply: int = MAX_REPLY,
+    isolated: bool = False,
 ) -> object:
     """Return ``fn(*args)`` computed in a fresh child process.
 
@@ -69,7 +77,7 @@ def run(
     a timeout ``NvcError("timeout", ...)``.
     """
     return start(fn, *args, deadline=deadline, name=name, keep_fds=keep_fds, category=category,
-                 max_reply=max_reply).wait()
+                 max_reply=max_reply, isolated=isolated).wait()
 
 
 def start(
@@ -80,13 +88,15 @@ def start(
     keep_fds: Iterable[int] = (),
     category: str = "internal",
     max_reply: int = MAX_REPLY,
+    isolated: bool = False,
 ) -> "Worker":
     """:func:`run` in two halves, so the caller can do its own work while the child runs: the
     child is forked now and its deadline counts from now; :meth:`Worker.wait` collects the
     answer, :meth:`Worker.kill` ends the child and everything it started. A started worker
     must get one of the two (a caller whose own work fails calls ``kill`` before it lets the
     error go: a worker left running would go on changing a container nobody configures any
-    more). The child is the same as :func:`run`'s in every other respect.
+    more). The child is the same as :func:`run`'s in every other respect; ``isolated`` gives
+    it namespaces of its own (see the module docstring; a standby worker always has them).
     """
     if threading.active_count() > 1:
         raise NvcError("internal", f"{name}: refusing to fork a worker from a multi-threaded process")
@@ -99,13 +109,13 @@ def start(
     parent = os.getpid()
     rfd, wfd = os.pipe()
     try:
-        pid = os.fork()
+        pid, parent_fd = ns.fork_isolated() if isolated else (os.fork(), None)
     except OSError as exc:
         os.close(rfd)
         os.close(wfd)
         raise NvcError(category, f"{name}: cannot start worker: {exc.strerror}") from None
     if pid == 0:
-        _child(parent, fn, args, keep, wfd, max_reply, category, name)  # never returns
+        _child(parent, fn, args, keep, wfd, max_reply, category, name, parent_fd)  # never returns
     os.close(wfd)
     try:
         pidfd = watch(pid)
@@ -156,6 +166,7 @@ class Worker:
         self._eof = False
         self._exited = False
         self._notes: list[object] = []  # of stage frames read, not yet handed out
+        self._raw = False               # past an exec frame: the rest is a program's output
 
     def next_stage(self) -> object:
         """Wait until the child reports its next :func:`stage`, and return that stage's note.
@@ -186,6 +197,8 @@ class Worker:
             self.kill()
             raise
         self._close()
+        if self._raw:
+            return {"status": status, "output": bytes(self._data).decode("utf-8", "backslashreplace")}
         return _decode(bytes(self._data), status, self.name, self.category)
 
     def kill(self) -> None:
@@ -237,7 +250,7 @@ class Worker:
             # leftover that was just killed, so read what is there without waiting for EOF.
             os.set_blocking(rfd, False)
             try:
-                while self._total <= self._max_reply and (chunk := os.read(rfd, 65536)):
+                while (self._raw or self._total <= self._max_reply) and (chunk := os.read(rfd, 65536)):
                     self._take(chunk, on_stage)
             except BlockingIOError:
                 pass
@@ -246,16 +259,24 @@ class Worker:
     def _take(self, chunk: bytes, on_stage) -> None:
         """Add what was read; act on the complete stage frames at the start. The final reply
         is JSON without a newline, so a line is always a stage frame."""
+        data = self._data
+        data += chunk
+        if self._raw:
+            del data[: max(len(data) - MAX_OUTPUT, 0)]
+            return
         self._total += len(chunk)
         if self._total > self._max_reply:
             raise NvcError(self.category, f"{self.name}: reply larger than {self._max_reply} bytes")
-        data = self._data
-        data += chunk
         while (cut := data.find(b"\n")) >= 0:
             try:
                 frame = json.loads(data[:cut])
             except (ValueError, RecursionError):
                 frame = None
+            if frame == {"exec": True}:
+                del data[:cut + 1]
+                self._raw = True
+                self._take(b"", None)   # what followed in the chunk is output: bound it
+                break
             step = frame.get("stage") if isinstance(frame, dict) else None
             if not (isinstance(step, list) and len(step) == 2 and all(isinstance(part, str) for part in step)):
                 raise NvcError(self.category, f"{self.name}: worker sent a garbled reply")
@@ -364,10 +385,28 @@ def stage(name: str, category: str, note: object = None) -> None:
     here.name, here.category = name, category
 
 
-def _child(parent: int, fn, args, keep: list[int], wfd: int, max_reply: int, category: str, name: str):
+def reply_fd() -> int:
+    """In a worker: the fd its reply goes to."""
+    return _here.wfd
+
+
+def move_reply(fd: int) -> None:
+    """In a worker that put its reply pipe on another number (``dup2``): the reply goes there."""
+    _here.wfd = fd
+
+
+def output_follows() -> None:
+    """In a worker about to ``execve`` a program whose stdout is its reply pipe: everything
+    after this is the program's output, and the parent's :meth:`Worker.wait` returns
+    ``{"status": the exit status, "output": the last MAX_OUTPUT bytes}`` instead of an answer."""
+    _here.send(_EXEC_FRAME)
+
+
+def _child(parent: int, fn, args, keep: list[int], wfd: int, max_reply: int, category: str, name: str,
+           parent_fd: int | None):
     """Body of the forked child; ends in ``os._exit`` whatever happens, so control never
     returns into the parent's stack (which would run the rest of the hook twice)."""
-    answer(wfd, max_reply, category, name, lambda: (become_worker(parent, keep, wfd), fn, args))
+    answer(wfd, max_reply, category, name, lambda: (become_worker(parent, keep, wfd, parent_fd), fn, args))
 
 
 def answer(wfd: int, max_reply: int, category: str, name: str, setup):
@@ -396,13 +435,18 @@ def answer(wfd: int, max_reply: int, category: str, name: str, setup):
         os._exit(code)
 
 
-def become_worker(parent: int, keep: list[int], wfd: int) -> int:
-    """Detach from everything the parent holds. Returns the (possibly moved) result fd."""
+def become_worker(parent: int, keep: list[int], wfd: int, parent_fd: int | None = None) -> int:
+    """Detach from everything the parent holds. Returns the (possibly moved) result fd.
+    ``parent_fd`` is the parent's pidfd that :func:`.ns.fork_isolated` gives its child: such
+    a child also leaves for network, IPC and UTS namespaces of its own."""
     prctl.set_pdeathsig(signal.SIGKILL)
     # The parent may have died between fork() and the line above; the death signal would then
-    # never come. After that, getppid() names whoever adopted us, not the parent.
-    if os.getppid() != parent:
+    # never come. After that, getppid() names whoever adopted us, not the parent (or reads 0
+    # in a PID namespace of our own, where the parent's pidfd tells instead).
+    if os.getppid() != parent if parent_fd is None else select.select([parent_fd], [], [], 0)[0]:
         os._exit(1)
+    if parent_fd is not None:
+        ns.unshare(ISOLATION)   # an OSError: the worker's failure (the standby's: none comes)
     prctl.set_dumpable(False)
     os.setpgid(0, 0)
     # Objects the parent left for the cycle collector may own fds; collected here, they would
@@ -440,48 +484,3 @@ def take_standby():
     global _standby
     ready, _standby = _standby, None
     return ready
-
-
-def move_above(fd: int, floor: int) -> int:
-    import fcntl
-
-    new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor)
-    os.close(fd)
-    return new
-
-
-def stdio_to_devnull(keep: list[int]) -> None:
-    """Point fds 0-2 at /dev/null rather than closing them: a closed stdio number is handed to
-    the next ``open()``, and a stray ``print`` would then write into that file."""
-    null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
-    for fd in (0, 1, 2):
-        if fd not in keep and fd != null:
-            os.dup2(null, fd)
-    if null > 2:
-        os.close(null)
-
-
-def close_fds_except(keep: Iterable[int]) -> None:
-    """Close every fd from 3 up except ``keep`` (fds 0-2 are left alone)."""
-    low = 3
-    for fd in sorted({fd for fd in keep if fd >= 3}):
-        if fd > low:
-            _close_range(low, fd - 1)
-        low = fd + 1
-    _close_range(low, 0xFFFFFFFF)
-
-
-# Loaded here, at import, so every forked worker inherits it instead of loading libc again.
-_libc = ctypes.CDLL("libc.so.6", use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-
-
-def _close_range(first: int, last: int) -> None:
-    ret = _libc.syscall(ctypes.c_long(_NR_CLOSE_RANGE), ctypes.c_uint(first), ctypes.c_uint(last), ctypes.c_uint(0))
-    if ret == 0:
-        return
-    err = ctypes.get_errno()
-    if err != errno.ENOSYS:
-        raise OSError(err, f"close_range: {os.strerror(err)}")
-    # Kernels before 5.9: no fd can be at or above the hard limit, so that bounds the loop.
-    os.closerange(first, min(last, resource.getrlimit(resource.RLIMIT_NOFILE)[1]) + 1)

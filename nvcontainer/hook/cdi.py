@@ -208,7 +208,7 @@ def _update_ldcache(pinned, rootfs: str, opts: dict, owner, end: float) -> None:
     try:
         running = worker.start(execute.place_then_ldconfig, pinned.mntns_fd, rootfs, [conf, drop_in], list(owner), [],
                                job, deadline=_left(end, "mount"), name="mount worker", category="mount",
-                               keep_fds=[pinned.mntns_fd, job.exe])
+                               keep_fds=[pinned.mntns_fd, job.exe], isolated=True)
         try:
             execute.log_placed(running.next_stage(), rootfs)
         except BaseException:
