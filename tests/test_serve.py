@@ -9,6 +9,7 @@ run was served and not done in the client's own process is the hook's trace line
 from __future__ import annotations
 
 import json
+import re
 import os
 import select
 import shutil
@@ -204,6 +205,25 @@ def test_each_request_runs_in_the_spare_forked_before_it(fake_machine, tmp_path,
     assert [len(step["spares"]) for step in out["steps"]] == [1, 1, 1] and len(out["spares"]) == 1
     assert served_by == [int(step["spares"][0]) for step in out["steps"]]
     assert len(set(served_by + [int(out["spares"][0])])) == 4
+
+
+def test_spares_warm_only_what_a_request_wrote(fake_machine, tmp_path, bundle, pid):
+    """The first spare warms nothing and its request reports the pages it wrote; later spares
+    warm those only (a learned range is always within what they warm)."""
+    write_config(bundle, ["NVIDIA_VISIBLE_DEVICES=0"])
+    sock = str(tmp_path / "srv" / "hook.sock")
+    logs = [tmp_path / f"hook-{i}.log" for i in range(3)]
+    out = in_world(fake_machine, tmp_path, [
+        {"argv": client(sock, "--root", str(fake_machine.root), "--debug", str(log), "--dry-run", "prestart"),
+         "stdin": state(pid, bundle), "pause": 0.3} for log in logs], sock)
+    assert all(step["rc"] == 0 for step in out["steps"]), out["steps"]
+    trace = (tmp_path / "serve.log").read_text()
+    learned = [int(kib) for kib in re.findall(r"spares warm (\d+) KiB from now on, in \d+ ranges a request wrote", trace)]
+    warmed = [int(kib) for kib in re.findall(r"spare \d+: warmed (\d+) KiB", trace)]
+    assert len(learned) == 1 and learned[0] > 0, trace   # the first request reported; the next did not need to
+    # the spares after the report warmed (the spare of the 3rd request, and the last one)
+    assert len(warmed) >= 2 and all(0 < kib <= learned[0] for kib in warmed), trace
+    assert trace.index("spares warm") < trace.index(": warmed")
 
 
 def test_without_spares_each_request_gets_a_fresh_child(fake_machine, tmp_path, bundle, pid):

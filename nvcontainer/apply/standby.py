@@ -123,7 +123,8 @@ def _standby_child(parent: int, jobs: int, wfd: int, parent_fd: int):
         os._exit(1)   # the parent forks a worker of its own for the job instead
     from . import prewarm
 
-    prewarm.own_pages(lambda: bool(select.select([jobs], [], [], 0)[0]))
+    if prewarm.LEARNED is not None:   # what requests were seen to write (see prewarm)
+        prewarm.own_pages(lambda: bool(select.select([jobs], [], [], 0)[0]), prewarm.LEARNED)
     worker.answer(wfd, worker.MAX_REPLY, "internal", "standby worker", lambda: _install(jobs, wfd))
 
 

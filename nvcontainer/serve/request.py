@@ -67,7 +67,24 @@ def handle(conn: socket.socket) -> int:
         sys.stderr.flush()
     except OSError:
         pass
-    return _answer(conn, f"rc {status & 0xFF}", code=0)
+    code = _answer(conn, f"rc {status & 0xFF}", code=0)
+    _report_pages()
+    return code
+
+
+REPORT_TO: socket.socket | None = None   # the server's: where a request reports what it wrote
+
+
+def _report_pages() -> None:
+    """After the client has its answer: tell the server which pages this request wrote, if it
+    was asked to (:mod:`..apply.prewarm`). Best effort: a lost report only delays learning."""
+    from ..apply import prewarm
+
+    if prewarm.REPORT and REPORT_TO is not None:
+        try:
+            REPORT_TO.send(prewarm.written_ranges())
+        except OSError:
+            pass
 
 
 def become_request_child() -> None:

@@ -22,7 +22,9 @@ What keeps it from being a new way in:
 * that child is forked before its request comes (a *spare*), once no request has been in flight
   for a while; it makes its memory its own (:mod:`.prewarm`), then takes the next connection
   itself and hands the server a copy so the hang-up watch above still holds. It serves one request only, like
-  any child; the time it saves is the copy-on-write faults a fresh child would take on the way;
+  any child; the time it saves is the copy-on-write faults a fresh child would take on the way.
+  It warms only the pages requests were seen to write: now and then a request child reports
+  them on a datagram socket only this process and its children hold (:func:`_learn`);
 * this process stays single-threaded, takes nothing from the client's environment but the two
   variables the hook reads (and its umask), and bounds the request (64 KiB, four fds).
 """
@@ -41,6 +43,7 @@ import time
 from .. import log
 from ..errors import NvcError
 from .listen import adopt, listen
+from . import request
 from .request import become_request_child, handle
 
 MAX_CHILDREN = 256
@@ -171,6 +174,9 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     children: dict[int, _Request] = {}   # by pidfd
+    learn_r, request.REPORT_TO = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    learn_r.setblocking(False)
+    request.REPORT_TO.setblocking(False)
     spare: _Spare | None = None
     spare_failures = 0
     idle_since: float | None = time.monotonic() - SPARE_DELAY   # nothing has run yet: fork one at once
@@ -201,6 +207,7 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
                     timeout = wait
             poller = select.poll()
             poller.register(wake_r, select.POLLIN)
+            poller.register(learn_r.fileno(), select.POLLIN)
             if spare is not None:   # the spare accepts; this process does only without one
                 poller.register(spare.notify.fileno(), select.POLLIN)
                 poller.register(spare.pidfd, select.POLLIN)
@@ -231,6 +238,8 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
             for fd, what in events:
                 if fd == wake_r:
                     _drain(wake_r)
+                elif fd == learn_r.fileno():
+                    _learn(learn_r)
                 elif fd == sock.fileno():
                     _accept(sock, children)
                 elif fd in children:
@@ -260,6 +269,9 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
             _reap(pidfd, children)
         os.close(wake_r)
         os.close(wake_w)
+        learn_r.close()
+        request.REPORT_TO.close()
+        request.REPORT_TO = None
     log.info(f"stopped by signal {stopping[0]}" if stopping else "stopped")
     return 0
 
@@ -272,6 +284,34 @@ def _drain(fd: int) -> None:
         pass
 
 
+def _learn(learn_r: socket.socket) -> None:
+    """A request child's report of the pages it wrote: what the next spares warm (see
+    :mod:`..apply.prewarm`). A malformed one is ignored."""
+    from ..apply import prewarm
+
+    try:
+        data = learn_r.recv(prewarm.MAX_REPORT + 1)
+        ranges = prewarm.unpack(data)
+    except (BlockingIOError, InterruptedError, ValueError):
+        return
+    prewarm.LEARNED = data
+    log.info(f"spares warm {sum(end - start for start, end in ranges) >> 10} KiB from now on, "
+             f"in {len(ranges)} ranges a request wrote")
+
+
+def _will_report() -> None:
+    """Before a fork: whether that child reports the pages it writes (the first ones, until one
+    did, then one in prewarm.REPORT_EVERY)."""
+    from ..apply import prewarm
+
+    global _forks
+    _forks += 1
+    prewarm.REPORT = prewarm.LEARNED is None or _forks % prewarm.REPORT_EVERY == 0
+
+
+_forks = 0
+
+
 def _accept(sock: socket.socket, children: dict) -> None:
     try:
         conn, _ = sock.accept()
@@ -282,6 +322,7 @@ def _accept(sock: socket.socket, children: dict) -> None:
             log.warning(f"accept: {exc.strerror}")
             return
         raise
+    _will_report()
     try:
         pid = os.fork()
     except OSError as exc:
@@ -300,6 +341,7 @@ def _accept(sock: socket.socket, children: dict) -> None:
 
 def _fork_spare(sock: socket.socket) -> _Spare | None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    _will_report()
     try:
         pid = os.fork()
     except OSError as exc:
@@ -354,9 +396,10 @@ def _spare_child(sock: socket.socket, notify: socket.socket) -> int:
 
     # The server is idle (it forks a spare only then). The request's worker first, forked and
     # warming itself ahead too: after this process warmed up, a fork would share and
-    # write-protect its pages again.
+    # write-protect its pages again. Both warm what requests were seen to write, if known.
     standby.standby()
-    prewarm.own_pages(client_waiting)
+    if prewarm.LEARNED is not None:
+        log.info(f"spare {os.getpid()}: warmed {prewarm.own_pages(client_waiting, prewarm.LEARNED) >> 10} KiB")
     while True:
         select.select([sock], [], [])   # the server going away kills this child (PDEATHSIG)
         try:
