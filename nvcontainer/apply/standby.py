@@ -1,10 +1,12 @@
 """A worker forked ahead of its job: :mod:`.worker`'s fork, taken before the request comes.
 
-Why: ``nvcontainer serve`` forks each request's child ahead and lets it make its pages its own
-while nothing else runs (:mod:`.prewarm`). The worker that child forks for the request would
-share those pages again and take the same copy-on-write faults while the container waits. So
-the spare forks its worker ahead too: the standby detaches from everything at once, warms its
-own pages, and waits for one job on a socket pair only its parent holds. The job is what
+Why: ``nvcontainer serve`` forks each request's child ahead (a spare), so the fork is not paid
+while a container waits; the worker that child forks for the request would be. So the spare
+forks its worker ahead too: the standby detaches from everything at once, takes the namespaces
+the ldconfig sandbox needs, and waits for one job on a socket pair only its parent holds. It
+does not warm its pages as the spare does (:mod:`.prewarm`): measured, copying the pages the
+spare's requests write cost more CPU than the worker's own copy-on-write faults, and no time
+(docs/performance.md). The job is what
 :func:`worker.start` would have forked with (function, arguments, the fds to keep, and the
 parent's umask, working directory and environment, which a fork would have inherited); the
 kept fds land on the numbers the parent had, so the arguments mean what they meant there. From
@@ -20,7 +22,6 @@ cold hook run never imports this module.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import threading
 
@@ -121,10 +122,6 @@ def _standby_child(parent: int, jobs: int, wfd: int, parent_fd: int):
         wfd = worker.become_worker(parent, [jobs], wfd, parent_fd)   # nothing of the server's or the spare's stays here
     except BaseException:
         os._exit(1)   # the parent forks a worker of its own for the job instead
-    from . import prewarm
-
-    if prewarm.LEARNED is not None:   # what requests were seen to write (see prewarm)
-        prewarm.own_pages(lambda: bool(select.select([jobs], [], [], 0)[0]), prewarm.LEARNED)
     worker.answer(wfd, worker.MAX_REPLY, "internal", "standby worker", lambda: _install(jobs, wfd))
 
 

@@ -394,9 +394,9 @@ def _spare_child(sock: socket.socket, notify: socket.socket) -> int:
     def client_waiting() -> bool:
         return bool(select.select([sock], [], [], 0)[0])
 
-    # The server is idle (it forks a spare only then). The request's worker first, forked and
-    # warming itself ahead too: after this process warmed up, a fork would share and
-    # write-protect its pages again. Both warm what requests were seen to write, if known.
+    # The server is idle (it forks a spare only then). The request's worker first, forked
+    # ahead too: after this process warmed up, a fork would share and write-protect its pages
+    # again. Then the pages requests were seen to write, if known (apply/prewarm.py).
     standby.standby()
     if prewarm.LEARNED is not None:
         log.info(f"spare {os.getpid()}: warmed {prewarm.own_pages(client_waiting, prewarm.LEARNED) >> 10} KiB")
