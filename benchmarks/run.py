@@ -143,7 +143,10 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
             # setup's registration while its server is down: the client, then the in-process hook
             "fallback": ([ws.served_entry(fast, ws.socket("none"))], workspace.CONTAINER_ENV),
             "hook+config": ([ws.hook_entry(fast, None, "--config", str(config))], workspace.CONTAINER_ENV),
-            "hook-nogpu": ([ws.hook_entry(fast)], [])}
+            "hook-nogpu": ([ws.hook_entry(fast)], []),
+            # the floor of any prestart hook: runc forking and executing a static program that
+            # does nothing (what a container that asks for no GPU cannot get below)
+            "empty": ([workspace.empty_hook_entry()], [])}
     theirs = nvidia.hook_entry(base, fast)
     if theirs is not None:
         arms["nvidia"] = ([theirs], workspace.CONTAINER_ENV)
@@ -269,6 +272,7 @@ ROWS = (
     ("cgroup v1, hook (in-process) + config.toml", "v1/hook+config"),
     ("cgroup v1, hook (in-process, editable install)", "v1/hook-editable"),
     ("cgroup v1, hook (in-process), container asks no GPU", "v1/hook-nogpu"),
+    ("cgroup v1, a hook that does nothing (static busybox true)", "v1/empty"),
     ("cgroup v1, hook ({label})", "v1/hook-*"),
     ("cgroup v1, NVIDIA's hook 1.17.9 + cli 1.17.0", "v1/nvidia"),
     ("  CPU of the start: runc and all it waited for, and the server's tree", "v1/nvidia/cpu"),
@@ -466,7 +470,8 @@ def report(results: dict, facts: dict, runs: int, concurrency: int, nvml_delay: 
     if served_facts["not_served"] or any(u["died"] for u in served_facts["unclean_stop"].values()):
         checks = [(label, value, target, "INVALID: not served") for label, value, target, _ in checks]
     labels = sorted({name.split("hook-", 1)[1].split("/")[0] for name in s
-                     if name.startswith(("v1/hook-", "probe-hook-")) and name not in ("v1/hook-editable", "v1/hook-nogpu")})
+                     if name.startswith(("v1/hook-", "probe-hook-"))
+                     and "/".join(name.split("/")[:2]) not in ("v1/hook-editable", "v1/hook-nogpu")})
     rows = []
     for label, name in ROWS:
         label = label.replace("{delay}", str(nvml_delay)).replace("{concurrency}", str(concurrency))

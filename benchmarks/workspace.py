@@ -33,7 +33,7 @@ from pathlib import Path
 from nvcontainer.native import build as nativeclient
 from tests.fixtures.fakegpu import FakeSpec, build
 from tests.fixtures.fakegpu.build import FakeMachine
-from tests.fixtures.runtime import busybox_rootfs
+from tests.fixtures.runtime import BUSYBOX, busybox_rootfs
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "benchmarks" / "probe.py"
@@ -174,6 +174,12 @@ class Workspace:
         tail = ["--stderr", str(stderr)] if stderr else []
         return {"path": str(self.python), "args": [str(self.python), "-I", "-S", str(PROBE), str(out), *tail, "--",
                                                     *argv], "env": HOOK_ENV, "timeout": 60}
+
+
+def empty_hook_entry() -> dict:
+    """A prestart hook that does nothing: the static busybox's ``true`` (runc's own cost of
+    running any hook, the floor under "a container that asks for no GPU")."""
+    return {"path": str(BUSYBOX), "args": ["true"], "env": HOOK_ENV, "timeout": 60}
 
 
 def create(base: Path, compare: dict[str, str] | None = None) -> Workspace:
