@@ -14,7 +14,7 @@ import errno
 import fcntl
 import os
 import resource
-from typing import Iterable
+from collections.abc import Iterable
 
 _NR_CLOSE_RANGE = 436  # the same on every architecture (post-5.1 syscall table)
 

@@ -17,15 +17,17 @@ CAPABILITIES = ("compat32", "compute", "display", "graphics", "ngx", "utility", 
 MAX_DEADLINE = 3600
 MAX_ALLOWED = 1024
 
-_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(?::[A-Za-z0-9_][A-Za-z0-9_.-]*)?")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Strings, compiled by re on first use (and cached there): a start without a config file
+# checks none of them.
+_USER = r"[A-Za-z0-9_][A-Za-z0-9_.-]*(?::[A-Za-z0-9_][A-Za-z0-9_.-]*)?"
+_ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 _COMPAT_MODES = ("ldconfig", "disabled")
 MODES = ("auto", "legacy", "cdi")
-_PROGRAM = re.compile(r"[A-Za-z0-9_.+-]{1,255}")
-_CDI_KIND = re.compile(r"[A-Za-z](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?/[A-Za-z](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
-_ANNOTATION_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9_./-]{0,252}")
+_PROGRAM = r"[A-Za-z0-9_.+-]{1,255}"
+_CDI_KIND = r"[A-Za-z](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?/[A-Za-z](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?"
+_ANNOTATION_PREFIX = r"[A-Za-z0-9][A-Za-z0-9_./-]{0,252}"
 MAX_LIST = 64
-_DEVICE_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9:./-]{0,127}")
+_DEVICE_TOKEN = r"[A-Za-z0-9][A-Za-z0-9:./-]{0,127}"
 
 
 def bad(key: str, value: object, want: str) -> NvcError:
@@ -45,7 +47,7 @@ def absolute(value: object, key: str) -> str:
 
 
 def user(value: object, key: str) -> str:
-    if not isinstance(value, str) or not _USER.fullmatch(value):
+    if not isinstance(value, str) or not re.fullmatch(_USER, value):
         raise bad(key, value, "UID[:GID] (numbers or names)")
     return value
 
@@ -78,10 +80,10 @@ def capabilities(value: object, key: str) -> tuple[str, ...]:
     return tuple(sorted(set(items)))
 
 
-def _matching(items: list[str], key: str, pattern: re.Pattern, want: str) -> tuple[str, ...]:
+def _matching(items: list[str], key: str, pattern: str, want: str) -> tuple[str, ...]:
     """``items`` once each, in order, every one matching ``pattern``."""
     for item in items:
-        if not pattern.fullmatch(item):
+        if not re.fullmatch(pattern, item):
             raise bad(key, item, want)
     return tuple(dict.fromkeys(items))
 
@@ -122,7 +124,7 @@ def device_tokens(value: object, key: str) -> tuple[str, ...] | None:
     if len(tokens) > MAX_ALLOWED:
         raise bad(key, f"{len(tokens)} entries", f"at most {MAX_ALLOWED} device tokens")
     for token in tokens:
-        if not _DEVICE_TOKEN.fullmatch(token):
+        if not re.fullmatch(_DEVICE_TOKEN, token):
             raise bad(key, token, "device tokens (an index, GPU-/MIG- UUID, PCI bus id, <gpu>:<mig> or all)")
     if "all" in tokens:
         return None
@@ -138,7 +140,7 @@ def _short_list(value: object, key: str) -> list[str]:
 
 def program(value: object, key: str) -> str:
     """A program: a bare name (looked up on a fixed PATH, never the caller's) or an absolute path."""
-    if not isinstance(value, str) or not (_PROGRAM.fullmatch(value) or (value.startswith("/") and "\0" not in value)):
+    if not isinstance(value, str) or not (re.fullmatch(_PROGRAM, value) or (value.startswith("/") and "\0" not in value)):
         raise bad(key, value, "a program name or an absolute path")
     return value
 
@@ -168,7 +170,7 @@ def absolute_list(value: object, key: str) -> tuple[str, ...]:
 
 
 def cdi_kind(value: object, key: str) -> str:
-    if not isinstance(value, str) or not _CDI_KIND.fullmatch(value):
+    if not isinstance(value, str) or not re.fullmatch(_CDI_KIND, value):
         raise bad(key, value, "a CDI kind, vendor/class (nvidia.com/gpu)")
     return value
 

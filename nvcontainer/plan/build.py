@@ -214,7 +214,7 @@ def gpu_dir(hostproc: HostProc, gpu: Gpu) -> str | None:
     return None
 
 
-_MODIFY = re.compile(r"^(ModifyDeviceFiles:\s*)\d+\s*$", re.M)
+_MODIFY = r"(?m)^(ModifyDeviceFiles:\s*)\d+\s*$"   # compiled by re on first use
 
 
 def _proc_tmpfs(hostproc: HostProc, sel: Selection, mig_all: bool) -> Tmpfs:
@@ -222,7 +222,7 @@ def _proc_tmpfs(hostproc: HostProc, sel: Selection, mig_all: bool) -> Tmpfs:
     the container never re-creates device nodes, and mount points for what gets bound in."""
     files = []
     if hostproc.params is not None:
-        files.append(File(f"{PROC_DRIVER}/params", _MODIFY.sub(r"\g<1>0", hostproc.params)))
+        files.append(File(f"{PROC_DRIVER}/params", re.sub(_MODIFY, r"\g<1>0", hostproc.params)))
     if hostproc.version is not None:
         files.append(File(f"{PROC_DRIVER}/version", hostproc.version))
     if hostproc.registry is not None:

@@ -21,7 +21,7 @@ COMPAT_DIR = "/usr/local/cuda/compat"
 MAX_COMPAT_ENTRIES = 1024
 ELF_HEADER_BYTES = 64
 
-_COMPAT_NAME = re.compile(r"libcuda\.so\.(\d{1,6})((?:\.\d{1,6}){1,3})")
+_COMPAT_NAME = r"libcuda\.so\.(\d{1,6})((?:\.\d{1,6}){1,3})"   # compiled by re on first use
 
 # Debian multiarch directory pairs by machine (REFERENCE §3.4).
 _MULTIARCH = {
@@ -60,7 +60,7 @@ def library_dirs(machine: str, debian: bool, has_lib32: bool, lib_is_lib64: bool
 
 def parse_compat_name(name: str) -> tuple[str, int] | None:
     """``libcuda.so.560.35.03`` → (``560.35.03``, 560); other names → None."""
-    m = _COMPAT_NAME.fullmatch(name)
+    m = re.fullmatch(_COMPAT_NAME, name)
     if not m:
         return None
     return m.group(1) + m.group(2), int(m.group(1))

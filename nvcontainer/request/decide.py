@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Iterable, Mapping
+from collections.abc import Iterable, Mapping   # not typing: its import costs a start 2 ms
 
 from ..config.values import CAPABILITIES
 from ..errors import NvcError, escape
 from ..records import record
 from . import require
 
+TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
     from ..config.model import Config
     from .oci import Mount
@@ -41,17 +42,18 @@ VOLUMES_LABEL = "com.nvidia.volumes.needed"   # nvidia-docker 1 / Mesos image la
 DRIVER_VOLUME = "nvidia_driver"
 
 _HEX_ID = r"[0-9a-fA-F][0-9a-fA-F-]{0,35}"
+# Patterns are strings, compiled by re on first use (and cached there): most starts match none.
 _DEVICE_FORMS = (
-    ("index", re.compile(r"[0-9]{1,5}")),
-    ("mig-index", re.compile(r"[0-9]{1,5}:[0-9]{1,5}")),
-    ("bus-id", re.compile(r"(?:[0-9a-fA-F]{1,8}:)?[0-9a-fA-F]{1,2}:[0-9a-fA-F]{1,2}\.[0-7]")),
-    ("mig-legacy", re.compile(rf"(?i:MIG-GPU-){_HEX_ID}/[0-9]{{1,5}}/[0-9]{{1,5}}")),
-    ("gpu-uuid", re.compile(rf"(?i:GPU-){_HEX_ID}")),
-    ("mig-uuid", re.compile(rf"(?i:MIG-){_HEX_ID}")),
+    ("index", r"[0-9]{1,5}"),
+    ("mig-index", r"[0-9]{1,5}:[0-9]{1,5}"),
+    ("bus-id", r"(?:[0-9a-fA-F]{1,8}:)?[0-9a-fA-F]{1,2}:[0-9a-fA-F]{1,2}\.[0-7]"),
+    ("mig-legacy", rf"(?i:MIG-GPU-){_HEX_ID}/[0-9]{{1,5}}/[0-9]{{1,5}}"),
+    ("gpu-uuid", rf"(?i:GPU-){_HEX_ID}"),
+    ("mig-uuid", rf"(?i:MIG-){_HEX_ID}"),
 )
 _DEVICE_HELP = "an index, GPU-<uuid>, a PCI bus id, MIG-<uuid>, MIG-GPU-<uuid>/<gi>/<ci> or <gpu>:<mig>"
 _TRUE = ("1", "t", "T", "TRUE", "true", "True")   # Go's strconv.ParseBool
-_SEMVER = re.compile(
+_SEMVER = (
     r"(0|[1-9][0-9]*)(?:\.(0|[1-9][0-9]*)"
     r"(?:\.(?:0|[1-9][0-9]*)(?:-[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?)?)?"
 )
@@ -93,7 +95,7 @@ class Request:
 def device_kind(token: str) -> str | None:
     """Which id form ``token`` is written in, or None if none."""
     for kind, pattern in _DEVICE_FORMS:
-        if pattern.fullmatch(token):
+        if re.fullmatch(pattern, token):
             return kind
     return None
 
@@ -228,7 +230,7 @@ def _capabilities(env: _Env, config: "Config", legacy: bool) -> tuple[str, ...]:
 
 def _legacy_requirement(cuda_version: str) -> str:
     """``cuda>=MAJOR.MINOR`` from an old image's CUDA_VERSION, read as Go's semver reads it."""
-    m = _SEMVER.fullmatch(cuda_version[1:] if cuda_version.startswith("v") else cuda_version)
+    m = re.fullmatch(_SEMVER, cuda_version[1:] if cuda_version.startswith("v") else cuda_version)
     if not m or int(m.group(1)) >= 1 << 32 or int(m.group(2) or 0) >= 1 << 32:
         raise NvcError("input", f"CUDA_VERSION: invalid version '{escape(cuda_version, 80)}'")
     return f"cuda>={int(m.group(1))}.{int(m.group(2) or 0)}"

@@ -39,7 +39,7 @@ STATE_SECONDS = 5.0          # for the state to arrive; runtimes write it at onc
 
 # No path or environment entry can hold a NUL, and a lone surrogate (legal in JSON's \u escapes)
 # has no UTF-8 encoding: both would fail later, far from the input that caused them.
-_UNUSABLE = re.compile("[\x00\ud800-\udfff]")
+_UNUSABLE = "[\x00\ud800-\udfff]"   # compiled by re on first use, and cached there
 
 
 @record
@@ -170,7 +170,7 @@ def _string(value: object, where: str, *, nonempty: bool = False) -> str:
         raise NvcError("input", f"{where}: expected a string, got {_show(value)}")
     if nonempty and not value:
         raise NvcError("input", f"{where}: must not be empty")
-    if _UNUSABLE.search(value):
+    if re.search(_UNUSABLE, value):
         raise NvcError("input", f"{where}: contains a NUL or an unpaired surrogate: {escape(value)}")
     return value
 

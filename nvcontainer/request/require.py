@@ -18,7 +18,7 @@ and driver versions and the GPU it failed on.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence   # not typing: its import costs a start 2 ms
 
 from ..errors import NvcError, escape
 from ..records import record
@@ -26,9 +26,11 @@ from ..records import record
 MAX_LENGTH = 4096
 MAX_EXPRESSIONS = 32
 
-_TERM = re.compile(r"([A-Za-z]+)(<=|>=|!=|=|<|>)(.*)", re.S)
-_VERSION = re.compile(r"[0-9]+(?:\.[0-9]+)*")
-_BRAND = re.compile(r"[A-Za-z0-9_-]+")
+# Patterns are strings, compiled by re on first use (and cached there): the hook imports this
+# module on every start and most starts match none of them.
+_TERM = r"(?s)([A-Za-z]+)(<=|>=|!=|=|<|>)(.*)"
+_VERSION = r"[0-9]+(?:\.[0-9]+)*"
+_BRAND = r"[A-Za-z0-9_-]+"
 _NAMES = ("cuda", "driver", "arch", "brand")
 _UPDATE_HINT = ", please update your driver to a newer version, or use an earlier cuda container"
 
@@ -62,7 +64,7 @@ class Expression:
 
 
 def _version(text: str, what: str) -> tuple[int, ...]:
-    if not _VERSION.fullmatch(text):
+    if not re.fullmatch(_VERSION, text):
         raise NvcError("requirement", f"cannot compare versions: the {what} version is '{escape(text, 60)}'")
     return tuple(int(p) for p in text.split("."))
 
@@ -79,7 +81,7 @@ def _invalid(expr: str, term: str, why: str) -> NvcError:
 
 
 def _term(expr: str, text: str) -> Term:
-    m = _TERM.fullmatch(text)
+    m = re.fullmatch(_TERM, text)
     if not m:
         raise _invalid(expr, text, "expected <name><op><value> with op one of = != < <= > >=")
     name, op, value = m.group(1).lower(), m.group(2), m.group(3)
@@ -88,9 +90,9 @@ def _term(expr: str, text: str) -> Term:
     if name == "brand":
         if op not in ("=", "!="):
             raise _invalid(expr, text, "brand takes only = or !=")
-        if not _BRAND.fullmatch(value):
+        if not re.fullmatch(_BRAND, value):
             raise _invalid(expr, text, "a brand is letters, digits, '-' and '_'")
-    elif not _VERSION.fullmatch(value):
+    elif not re.fullmatch(_VERSION, value):
         raise _invalid(expr, text, "a version is digits separated by dots")
     return Term(name, op, value, text)
 

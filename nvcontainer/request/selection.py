@@ -20,9 +20,10 @@ from ..records import record
 
 MAX_TOKENS = 1024
 
-_BUS_RE = re.compile(r"^(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})(?:\.([0-7]))?$")
-_MIG_PAIR_RE = re.compile(r"^(\d{1,4}):(\d{1,4})$")
-_LEGACY_MIG_RE = re.compile(r"^MIG-(GPU-[0-9a-fA-F-]+)/(\d{1,4})/(\d{1,4})$")
+# Strings, compiled by re on first use (and cached there): most starts match none of them.
+_BUS_RE = r"^(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})(?:\.([0-7]))?$"
+_MIG_PAIR_RE = r"^(\d{1,4}):(\d{1,4})$"
+_LEGACY_MIG_RE = r"^MIG-(GPU-[0-9a-fA-F-]+)/(\d{1,4})/(\d{1,4})$"
 
 
 @record
@@ -133,7 +134,7 @@ def _match(inv: Inventory, token: str) -> tuple[Gpu, MigDevice | None]:
         for gpu in inv.gpus:
             if gpu.uuid.lower().startswith(low):
                 return gpu, None
-    legacy = _LEGACY_MIG_RE.match(token)
+    legacy = re.match(_LEGACY_MIG_RE, token)
     if legacy:
         uuid, gi, ci = legacy.group(1).lower(), int(legacy.group(2)), int(legacy.group(3))
         for gpu in inv.gpus:
@@ -146,7 +147,7 @@ def _match(inv: Inventory, token: str) -> tuple[Gpu, MigDevice | None]:
             for mig in gpu.migs:
                 if mig.uuid == token:
                     return gpu, mig
-    bus = _BUS_RE.match(token)
+    bus = re.match(_BUS_RE, token)
     if bus and ("." in token or token.count(":") == 2):
         domain, b, d = (int(x, 16) for x in (bus.group(1) or "0", bus.group(2), bus.group(3)))
         wanted = f"{domain:08x}:{b:02x}:{d:02x}.0"
@@ -155,7 +156,7 @@ def _match(inv: Inventory, token: str) -> tuple[Gpu, MigDevice | None]:
                 return gpu, None
     if token.isascii() and token.isdigit() and len(token) <= 4 and int(token) < len(inv.gpus):
         return inv.gpus[int(token)], None
-    pair = _MIG_PAIR_RE.match(token)
+    pair = re.match(_MIG_PAIR_RE, token)
     if pair:
         i, j = int(pair.group(1)), int(pair.group(2))
         if i < len(inv.gpus):
