@@ -544,6 +544,39 @@ def test_a_hook_during_the_warm_up_waits_for_a_warm_answer(fake_machine_factory,
     assert SERVED in log.read_text()
 
 
+HOOK_PATH_PATTERNS = ("config/values.py", "request/decide.py", "request/require.py", "request/selection.py",
+                      "request/oci.py", "plan/build.py", "plan/container.py")
+
+
+def test_the_server_compiles_the_hook_paths_patterns_before_it_forks():
+    """The hook path keeps its patterns as strings, compiled by re on first use; the server
+    compiles them all before it forks, so no request child does. Every pattern a module matches
+    with is in its PATTERNS, and after preload() none of them is compiled again."""
+    from importlib import import_module
+
+    import re._compiler as compiler
+
+    from nvcontainer.serve import server
+
+    modules = []
+    for path in HOOK_PATH_PATTERNS:
+        module = import_module("nvcontainer." + path[:-3].replace("/", "."))
+        used = set(re.findall(r"re\.(?:fullmatch|match|search|sub)\((_[A-Z_]+)", (REPO / "nvcontainer" / path).read_text()))
+        assert used and used <= {name for name in dir(module) if getattr(module, name) in module.PATTERNS}, path
+        modules.append(module)
+    re.purge()
+    server.preload()
+    compiled = []
+    original, compiler.compile = compiler.compile, lambda pattern, *rest: compiled.append(pattern) or original(pattern, *rest)
+    try:
+        for module in modules:
+            for pattern in module.PATTERNS:
+                re.fullmatch(pattern, "0")
+    finally:
+        compiler.compile = original
+    assert compiled == []
+
+
 def test_the_request_format_round_trips_and_rejects_what_is_not_it():
     from nvcontainer.hook import client as hc
 

@@ -28,6 +28,8 @@ _CDI_KIND = r"[A-Za-z](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?/[A-Za-z](?:[A-Za-z0-9
 _ANNOTATION_PREFIX = r"[A-Za-z0-9][A-Za-z0-9_./-]{0,252}"
 MAX_LIST = 64
 _DEVICE_TOKEN = r"[A-Za-z0-9][A-Za-z0-9:./-]{0,127}"
+# what nvcontainer serve compiles before it forks (serve/server.py preload), so no request does
+PATTERNS = (_USER, _ENV_NAME, _PROGRAM, _CDI_KIND, _ANNOTATION_PREFIX, _DEVICE_TOKEN)
 
 
 def bad(key: str, value: object, want: str) -> NvcError:

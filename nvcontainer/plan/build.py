@@ -215,6 +215,8 @@ def gpu_dir(hostproc: HostProc, gpu: Gpu) -> str | None:
 
 
 _MODIFY = r"(?m)^(ModifyDeviceFiles:\s*)\d+\s*$"   # compiled by re on first use
+# what nvcontainer serve compiles before it forks (serve/server.py preload), so no request does
+PATTERNS = (_MODIFY,)
 
 
 def _proc_tmpfs(hostproc: HostProc, sel: Selection, mig_all: bool) -> Tmpfs:

@@ -22,6 +22,8 @@ MAX_COMPAT_ENTRIES = 1024
 ELF_HEADER_BYTES = 64
 
 _COMPAT_NAME = r"libcuda\.so\.(\d{1,6})((?:\.\d{1,6}){1,3})"   # compiled by re on first use
+# what nvcontainer serve compiles before it forks (serve/server.py preload), so no request does
+PATTERNS = (_COMPAT_NAME,)
 
 # Debian multiarch directory pairs by machine (REFERENCE §3.4).
 _MULTIARCH = {

@@ -57,6 +57,8 @@ _SEMVER = (
     r"(0|[1-9][0-9]*)(?:\.(0|[1-9][0-9]*)"
     r"(?:\.(?:0|[1-9][0-9]*)(?:-[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?)?)?"
 )
+# what nvcontainer serve compiles before it forks (serve/server.py preload), so no request does
+PATTERNS = (*(pattern for _, pattern in _DEVICE_FORMS), _SEMVER)
 
 
 @record

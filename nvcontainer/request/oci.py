@@ -40,6 +40,8 @@ STATE_SECONDS = 5.0          # for the state to arrive; runtimes write it at onc
 # No path or environment entry can hold a NUL, and a lone surrogate (legal in JSON's \u escapes)
 # has no UTF-8 encoding: both would fail later, far from the input that caused them.
 _UNUSABLE = "[\x00\ud800-\udfff]"   # compiled by re on first use, and cached there
+# what nvcontainer serve compiles before it forks (serve/server.py preload), so no request does
+PATTERNS = (_UNUSABLE,)
 
 
 @record

@@ -31,6 +31,8 @@ MAX_EXPRESSIONS = 32
 _TERM = r"(?s)([A-Za-z]+)(<=|>=|!=|=|<|>)(.*)"
 _VERSION = r"[0-9]+(?:\.[0-9]+)*"
 _BRAND = r"[A-Za-z0-9_-]+"
+# what nvcontainer serve compiles before it forks (serve/server.py preload), so no request does
+PATTERNS = (_TERM, _VERSION, _BRAND)
 _NAMES = ("cuda", "driver", "arch", "brand")
 _UPDATE_HINT = ", please update your driver to a newer version, or use an earlier cuda container"
 

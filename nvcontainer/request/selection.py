@@ -24,6 +24,8 @@ MAX_TOKENS = 1024
 _BUS_RE = r"^(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})(?:\.([0-7]))?$"
 _MIG_PAIR_RE = r"^(\d{1,4}):(\d{1,4})$"
 _LEGACY_MIG_RE = r"^MIG-(GPU-[0-9a-fA-F-]+)/(\d{1,4})/(\d{1,4})$"
+# what nvcontainer serve compiles before it forks (serve/server.py preload), so no request does
+PATTERNS = (_BUS_RE, _MIG_PAIR_RE, _LEGACY_MIG_RE)
 
 
 @record

@@ -34,6 +34,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import re
 import select
 import signal
 import socket
@@ -68,6 +69,14 @@ def preload() -> None:
     from ..cgroups import bpf, locate, rules, v1, v2  # noqa: F401
     from ..inventory import cache  # noqa: F401
     from ..plan import build, container, model  # noqa: F401
+    from ..config import values
+    from ..request import selection
+
+    # The hook path's patterns are strings that re compiles on first use (a cold hook matches
+    # few of them); compiled here, into re's cache, every child finds them ready.
+    for module in (values, request, require, selection, oci, build, container):
+        for pattern in module.PATTERNS:
+            re.compile(pattern)
 
 
 def warm(cfg) -> str:
