@@ -113,7 +113,8 @@ def start(
     except OSError as exc:
         os.close(rfd)
         os.close(wfd)
-        raise NvcError(category, f"{name}: cannot start worker: {exc.strerror}") from None
+        where = " in namespaces of its own" if isolated else ""
+        raise NvcError(category, f"{name}: cannot start worker{where}: {exc.strerror}") from None
     if pid == 0:
         _child(parent, fn, args, keep, wfd, max_reply, category, name, parent_fd)  # never returns
     os.close(wfd)
