@@ -12,7 +12,7 @@ takes runs on private pages.
 Why learned: a request writes about a third of the server's private writable pages, and copying
 the other two thirds costs CPU on every start for nothing (issue 17 counts it). So a request
 child, after its client has the answer, reads which pages it made its own (``/proc/self/pagemap``:
-present and mapped by it alone) and sends their ranges to the server (:func:`report`); the next
+present and mapped by it alone, :func:`written_ranges`) and sends their ranges to the server; the next
 spares copy those ranges only (:data:`LEARNED`, inherited at the fork). Until a request has
 reported, a spare copies nothing: learning needs one child that did not warm up, since a warm
 child's pages all read as its own. A learned range that is no longer a private writable mapping

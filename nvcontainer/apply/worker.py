@@ -276,7 +276,7 @@ class Worker:
             if frame == {"exec": True}:
                 del data[:cut + 1]
                 self._raw = True
-                self._take(b"", None)   # what followed in the chunk is output: bound it
+                del data[: max(len(data) - MAX_OUTPUT, 0)]   # what followed in the chunk is output
                 break
             step = frame.get("stage") if isinstance(frame, dict) else None
             if not (isinstance(step, list) and len(step) == 2 and all(isinstance(part, str) for part in step)):

@@ -70,11 +70,11 @@ def preload() -> None:
     from ..inventory import cache  # noqa: F401
     from ..plan import build, container, model  # noqa: F401
     from ..config import values
-    from ..request import selection
+    from ..request import decide, selection
 
     # The hook path's patterns are strings that re compiles on first use (a cold hook matches
     # few of them); compiled here, into re's cache, every child finds them ready.
-    for module in (values, request, require, selection, oci, build, container):
+    for module in (values, decide, require, selection, oci, build, container):
         for pattern in module.PATTERNS:
             re.compile(pattern)
 
@@ -308,6 +308,9 @@ def _learn(learn_r: socket.socket) -> None:
              f"in {len(ranges)} ranges a request wrote")
 
 
+_forks = 0   # spares and request children forked so far (see _will_report)
+
+
 def _will_report() -> None:
     """Before a fork: whether that child reports the pages it writes (the first ones, until one
     did, then one in prewarm.REPORT_EVERY)."""
@@ -316,9 +319,6 @@ def _will_report() -> None:
     global _forks
     _forks += 1
     prewarm.REPORT = prewarm.LEARNED is None or _forks % prewarm.REPORT_EVERY == 0
-
-
-_forks = 0
 
 
 def _accept(sock: socket.socket, children: dict) -> None:
