@@ -17,7 +17,8 @@ up on a bare machine), it records, into one JSON file and one text report,
   proves the cgroup step too; a container that asks for no GPU gets nothing;
 * start latency, interleaved rounds of ``runc run`` of ``true`` with every registration and
   without a hook, as ``python -m benchmarks`` times them on the fake machine, with CPU per
-  start (runc's children, plus the server's whole tree for the served arms).
+  start (runc's children, plus the server's whole tree for the served arms); and 32 starts at
+  once per registration, the p95 each adds over the no-hook arm's.
 
 Nothing here changes the GPU's settings (no persistence mode, no clocks, no MIG): the node is
 only read, and the namespaces, cgroups and runc state it makes are removed at the end.
@@ -250,17 +251,20 @@ class Node:
     def configure(self, template: Path) -> None:
         self.say("\n== configure --pid into a namespace: ours, then NVIDIA's cli")
         results = {}
-        for who in ("ours", "nvidia"):
-            rootfs = self.fresh(template, f"ns-{who}")
+        for who in ("ours", "nvidia", "nvidia --no-cgroups"):
+            if who == "nvidia --no-cgroups" and results["nvidia"]["configure"]["rc"] == 0:
+                continue
+            rootfs = self.fresh(template, f"ns-{who.split()[0]}-{len(results)}")
             proc, pid = self.namespace(rootfs)
             try:
                 if who == "ours":
                     argv = [str(self.ours), "--debug", str(self.work / "configure-debug.log"), "configure",
                             "--pid", str(pid), "--device", "0", "--compute", "--utility", str(rootfs)]
                     env = None
-                else:
+                else:   # the failure of its cgroup step is recorded, then it is run without that step
                     argv = [str(self.anchors / "bin" / "nvidia-container-cli"), "configure", "--pid", str(pid),
-                            "--device", "0", "--compute", "--utility", "--ldconfig", "@/sbin/ldconfig", str(rootfs)]
+                            "--device", "0", "--compute", "--utility", "--ldconfig", "@/sbin/ldconfig",
+                            *(["--no-cgroups"] if "no-cgroups" in who else []), str(rootfs)]
                     env = self.nvidia_env
                 result = sh(argv, env=env)
                 self.block(f"configure: {who}", result)
@@ -278,7 +282,7 @@ class Node:
             finally:
                 proc.kill()
                 proc.wait()
-        a, b = set(results["ours"]["mounts"]), set(results["nvidia"]["mounts"])
+        a, b = set(results["ours"]["mounts"]), set(results.get("nvidia --no-cgroups", results["nvidia"])["mounts"])
         results["only_ours"], results["only_nvidia"] = sorted(a - b), sorted(b - a)
         self.say(f"-> mounts only ours: {results['only_ours']}\n-> mounts only NVIDIA's: {results['only_nvidia']}")
         log = self.work / "configure-debug.log"
@@ -447,6 +451,55 @@ class Node:
         self.report["timing"] = {"runs": runs, "summary": summary, "samples": samples,
                                  "load": os.getloadavg()}
 
+    def concurrent(self, template: Path, at_once: int, rounds: int) -> None:
+        """``at_once`` starts of ``true`` spawned together, per arm, rounds interleaved; each
+        start timed from its own spawn to its exit (as ``python -m benchmarks`` does)."""
+        self.say(f"\n== {at_once} starts at once, {rounds} rounds per arm")
+        entries = self.entries()
+        arms = {"none": [], "served": [entries["served"]], "hook": [entries["hook"]], "nvidia": [entries["nvidia"]]}
+        samples = {arm: {"ms": [], "failed": []} for arm in arms}
+        for _ in range(rounds):
+            for arm, prestart in arms.items():
+                bundles = [self.bundle(template, prestart, GPU_ENV, ["/bin/true"]) for _ in range(at_once)]
+                self.settle()
+                procs = {}
+                for b in bundles:
+                    procs[b] = (time.perf_counter(), subprocess.Popen(
+                        [*self.runc, "run", *self.no_pivot, "--bundle", str(b), b.name], env=self.runc_env,
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+                for b, (start, proc) in procs.items():
+                    err = proc.communicate(timeout=300)[1]
+                    ms = (time.perf_counter() - start) * 1000
+                    if proc.returncode == 0:
+                        samples[arm]["ms"].append(round(ms, 1))
+                    else:
+                        samples[arm]["failed"].append(err.decode(errors="replace")[-300:])
+                for b in bundles:
+                    sh([*self.runc, "delete", "-f", b.name], env=self.runc_env)
+                    shutil.rmtree(b, ignore_errors=True)
+        single = self.report.get("timing", {}).get("summary", {})
+
+        def p95(xs):
+            xs = sorted(xs)
+            return xs[min(len(xs) - 1, int(0.95 * len(xs)))]
+        summary = {}
+        none = p95(samples["none"]["ms"]) if samples["none"]["ms"] else None
+        for arm, s in samples.items():
+            if not s["ms"]:
+                self.say(f"{arm:8} all failed: {s['failed'][:1]}")
+                continue
+            row = {"median": statistics.median(s["ms"]), "p95": p95(s["ms"]), "n": len(s["ms"]), "failed": len(s["failed"])}
+            if arm != "none" and none is not None:
+                row["p95_added"] = row["p95"] - none
+                if arm in single and single[arm]["over_none"] > 0:
+                    row["p95_added_over_single"] = row["p95_added"] / single[arm]["over_none"]
+            summary[arm] = row
+            self.say(f"{arm:8} median {row['median']:7.1f}  p95 {row['p95']:7.1f}  "
+                     + (f"p95 added {row['p95_added']:+7.1f}" if "p95_added" in row else "")
+                     + (f"  ({row['p95_added_over_single']:.2f}x its single-start overhead)"
+                        if "p95_added_over_single" in row else "") + f"  failed {row['failed']}")
+        self.report["concurrent"] = {"at_once": at_once, "rounds": rounds, "summary": summary, "samples": samples}
+
     def cleanup(self) -> None:
         if getattr(self, "server", None):
             self.server.send_signal(signal.SIGTERM)
@@ -468,7 +521,9 @@ def main() -> int:
     parser.add_argument("--venv", required=True, help="the environment nvcontainer is installed in")
     parser.add_argument("--out", required=True, help="where realgpu.json and realgpu.txt are written")
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--only", default="facts,parity,extras,configure,runc,timing")
+    parser.add_argument("--at-once", type=int, default=32, help="starts spawned together (concurrent step)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the concurrent step")
+    parser.add_argument("--only", default="facts,parity,extras,configure,runc,timing,concurrent")
     args = parser.parse_args()
     node = Node(args)
     node.cgroups = []
@@ -489,13 +544,14 @@ def main() -> int:
                     steps[name]()
                 except Exception as exc:  # one broken step must not lose the others' record
                     node.say(f"!! step {name} failed: {type(exc).__name__}: {exc}")
-        if {"configure", "runc", "timing"} & set(parts):
+        if {"configure", "runc", "timing", "concurrent"} & set(parts):
             template = node.build_rootfs()
             node.base_spec = node.spec()
             node.start_server()
             for name, step in (("configure", lambda: node.configure(template)),
                                ("runc", lambda: node.runc_checks(template)),
-                               ("timing", lambda: node.timing(template, args.runs))):
+                               ("timing", lambda: node.timing(template, args.runs)),
+                               ("concurrent", lambda: node.concurrent(template, args.at_once, args.rounds))):
                 if name in parts:
                     try:
                         step()

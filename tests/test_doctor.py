@@ -89,6 +89,16 @@ def test_persistence_off_is_a_warning():
     assert verdicts(with_(persistenced=False))["persistence"][0] == WARN
 
 
+def test_persistence_mode_on_every_gpu_serves_without_the_daemon():
+    """Seen on a real H100 node: nvidia-smi reports persistence mode Enabled, no daemon runs."""
+    verdict, detail, _ = verdicts(with_(persistenced=False, nvml_persistence=(True, True)))["persistence"]
+    assert (verdict, detail) == (OK, "persistence mode is on for every GPU (2); nvidia-persistenced is not running")
+    verdict, detail, fix = verdicts(with_(persistenced=False, nvml_persistence=(True, False)))["persistence"]
+    assert verdict == WARN and detail.startswith("persistence mode is off for GPU 1 and nvidia-persistenced")
+    assert fix == "systemctl enable --now nvidia-persistenced"
+    assert verdicts(with_(persistenced=False, nvml_persistence=(True, None)))["persistence"][0] == WARN
+
+
 def test_stale_cdi_spec_fails():
     stale = Verdict("/etc/cdi/old.yaml", "535.104.05", 3, ("made for driver 535.104.05, the running driver is 550.54.14",))
     verdict, detail, fix = verdicts(with_(cdi_verdicts=(*HEALTHY.cdi_verdicts, stale)))["CDI specs"]
@@ -182,6 +192,17 @@ def test_doctor_on_a_healthy_fake_machine(fake_machine, tmp_path):
     assert report["CDI specs"]["verdict"] == SKIP
     text = run_doctor(fake_machine, "--spec-dir", str(tmp_path)).stdout
     assert text.splitlines()[0].split() == ["ok", "driver", "loaded", "kernel", "module", "550.54.14"]
+
+
+def test_doctor_reads_each_gpu_s_persistence_mode_from_nvml(fake_machine_factory, tmp_path):
+    machine = fake_machine_factory(FakeSpec(gpus=2, missing={"persistenced"}))
+    report = {c["name"]: c for c in json.loads(run_doctor(machine, "--json", "--spec-dir", str(tmp_path)).stdout)}
+    assert report["persistence"]["verdict"] == OK, report["persistence"]
+    assert report["persistence"]["detail"].startswith("persistence mode is on for every GPU (2)")
+    machine.nvml_config.write_text(machine.nvml_config.read_text().replace("gpu1.persistence=1", "gpu1.persistence=0"))
+    report = {c["name"]: c for c in json.loads(run_doctor(machine, "--json", "--spec-dir", str(tmp_path)).stdout)}
+    assert report["persistence"]["verdict"] == WARN
+    assert report["persistence"]["detail"].startswith("persistence mode is off for GPU 1 and")
 
 
 def test_doctor_reports_a_spec_for_another_driver(fake_machine_factory, fake_machine, tmp_path):

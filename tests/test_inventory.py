@@ -85,6 +85,34 @@ def test_binaries_ipcs_firmware(fake_machine):
     assert [f.path for f in inv.firmwares] == [f["path"] for f in truth["firmwares"]]
 
 
+def _driver_tree_layout(machine, inv) -> str:
+    """Lay the machine out as a node whose driver has a tree of its own (seen on a real H100
+    node: /usr/local/nvidia/{lib64,bin}): the real nvidia-smi moves to the ``bin`` beside the
+    NVML library's directory, and /usr/bin/nvidia-smi becomes a wrapper script that executes it."""
+    nvml = next(lib.path for lib in inv.libraries if lib.name == "libnvidia-ml.so")
+    driver_bin = os.path.join(os.path.dirname(os.path.dirname(nvml)), "bin")
+    (machine.root / driver_bin.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    wrapper = machine.root / "usr/bin/nvidia-smi"
+    os.rename(wrapper, machine.root / driver_bin.lstrip("/") / "nvidia-smi")
+    wrapper.write_text(f'#!/bin/sh\nexec {driver_bin}/nvidia-smi "$@"\n')
+    wrapper.chmod(0o755)
+    return driver_bin
+
+
+def test_a_wrapper_script_is_passed_over_for_the_driver_s_own_binary(fake_machine_factory):
+    machine = fake_machine_factory(FakeSpec(gpus=1))
+    driver_bin = _driver_tree_layout(machine, inventory_of(machine))
+    smi = [b.path for b in inventory_of(machine).binaries if b.name == "nvidia-smi"]
+    assert smi == [f"{driver_bin}/nvidia-smi"]   # upstream would bind the script, which fails inside
+
+
+def test_a_wrapper_script_alone_is_no_binary(fake_machine_factory):
+    machine = fake_machine_factory(FakeSpec(gpus=1))
+    driver_bin = _driver_tree_layout(machine, inventory_of(machine))
+    os.unlink(machine.root / driver_bin.lstrip("/") / "nvidia-smi")
+    assert "nvidia-smi" not in [b.name for b in inventory_of(machine).binaries]
+
+
 def test_device_nodes_come_from_proc_devices(fake_machine):
     inv = inventory_of(fake_machine)
     nodes = {n.path: (n.major, n.minor) for n in inv.ctl_devices}

@@ -206,6 +206,28 @@ def test_replaced_library_is_seen(machine, cache_dir):
     assert "libcuda.so" not in [f.name for f in after.libraries]
 
 
+def test_a_binary_appearing_in_the_driver_s_own_bin_is_seen(machine, cache_dir):
+    """The bin beside the NVML library's directory is searched after the PATH (where
+    /usr/bin/nvidia-smi is only a wrapper script): a binary put there later must be noticed."""
+    cfg = config_for(machine, cache_dir)
+    before = inventory(machine, cfg)
+    nvml = next(f.path for f in before.libraries if f.name == "libnvidia-ml.so")
+    driver_bin = machine.root / os.path.dirname(os.path.dirname(nvml)).lstrip("/") / "bin"
+    assert not driver_bin.exists()
+    smi = machine.root / "usr/bin/nvidia-smi"
+    elf = smi.read_bytes()
+    smi.unlink()
+    smi.write_text("#!/bin/sh\nexec /opt/driver/nvidia-smi \"$@\"\n")   # what a driver tree's wrapper does
+    smi.chmod(0o755)
+    break_nvml(machine)
+    assert "nvidia-smi" not in [f.name for f in inventory(machine, cfg).binaries]
+    driver_bin.mkdir()
+    (driver_bin / "nvidia-smi").write_bytes(elf)
+    (driver_bin / "nvidia-smi").chmod(0o755)
+    after = inventory(machine, cfg)
+    assert [f.path for f in after.binaries if f.name == "nvidia-smi"] == [f"{nvml.rsplit('/', 2)[0]}/bin/nvidia-smi"]
+
+
 def test_new_persistenced_socket_is_seen(machine, cache_dir):
     cfg = config_for(machine, cache_dir)
     before = inventory(machine, cfg)

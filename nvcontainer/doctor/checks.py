@@ -44,6 +44,7 @@ class Facts:
     nvml_version: str | None = None
     nvml_gpus: int | None = None
     nvml_error: str | None = None
+    nvml_persistence: tuple = ()                          # per GPU: persistence mode on (None: unknown)
     nodes: tuple[Node, ...] = ()
     cgroup_v1_devices: bool = False
     cgroup_v2: bool = False
@@ -172,8 +173,15 @@ def _ldconfig(f: Facts) -> Check:
 def _persistence(f: Facts) -> Check:
     if f.persistenced:
         return Check("persistence", OK, "nvidia-persistenced is running (its socket is present)")
-    return Check("persistence", WARN, "nvidia-persistenced is not running: without persistence the driver tears "
-                                      "the GPUs down when their last user exits, so container starts pay GPU "
+    modes = f.nvml_persistence
+    if modes and all(modes):
+        # seen on a real H100 node: persistence mode set (nvidia-smi -pm 1), no daemon
+        return Check("persistence", OK, f"persistence mode is on for every GPU ({len(modes)}); "
+                                        "nvidia-persistenced is not running")
+    off = [str(i) for i, on in enumerate(modes) if on is False]
+    which = f"persistence mode is off for GPU {', '.join(off)} and " if off else ""
+    return Check("persistence", WARN, f"{which}nvidia-persistenced is not running: without persistence the driver "
+                                      "tears the GPUs down when their last user exits, so container starts pay GPU "
                                       "initialisation (slow starts, 'driver rpc error: timed out')",
                  "systemctl enable --now nvidia-persistenced")
 

@@ -79,7 +79,8 @@ def _nvml_facts(config, root: str, cache_libs: dict, kernel: str) -> dict:
         reply = nvml.query(path, parse_user(config.user), min(config.deadline, 30))
     except NvcError as exc:
         return {"nvml_error": exc.detail}
-    return {"nvml_version": reply["driver_version"], "nvml_gpus": len(reply["gpus"])}
+    return {"nvml_version": reply["driver_version"], "nvml_gpus": len(reply["gpus"]),
+            "nvml_persistence": tuple(g.get("persistence") for g in reply["gpus"])}
 
 
 def _node_facts(root: str, proc: str) -> list[Node]:

@@ -79,7 +79,8 @@ def build(
         mig_minors=procfs.mig_minors(proc),
         libraries=libs64,
         libraries32=tuple(libraries.select(entries32, root, version, label="compat32 ")),
-        binaries=tuple(files.binaries(root, search_path or os.environ.get("PATH") or DEFAULT_PATH)),
+        binaries=tuple(files.binaries(root, search_path or os.environ.get("PATH") or DEFAULT_PATH,
+                                      files.driver_bin(_in_root(root, nvml_path)))),
         ipcs=tuple(files.ipcs(root, mps_dir or os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DIRECTORY)),
         firmwares=tuple(files.firmwares(root, version)),
         graphics=tuple(graphics.files(root, version, entries64, libs64)),
@@ -95,6 +96,10 @@ def read_cache(root: str, ldcache_path: str) -> list[ldcache.CacheEntry]:
     entries = ldcache.read(host)
     log.info(f"read {len(entries)} entries from {host}")
     return entries
+
+
+def _in_root(root: str, host: str) -> str:
+    return host[len(root.rstrip("/")):] if root != "/" else host
 
 
 def _nvml_library(root: str, ldcache_path: str, entries, kernel: str) -> str:

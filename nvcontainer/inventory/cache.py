@@ -20,8 +20,8 @@ every read:
   MIG capability tree (instances created or destroyed);
 * the files: the ``lstat`` identity (inode, device, size, mode, mtime, ctime, rdev) of every
   path the inventory was read from or would have found something at: the ld cache, every
-  listed file and its directory, the PATH directories, IPC and firmware locations, and the
-  device nodes, present or not (``nvidia-uvm`` appears on first use).
+  listed file and its directory, the PATH directories and the driver's own ``bin``, IPC and
+  firmware locations, and the device nodes, present or not (``nvidia-uvm`` appears on first use).
 
 Anything that does not match is a miss: the inventory is rebuilt and the file atomically
 replaced (write a temporary file, rename over). NVML's own answers are kept in the same file
@@ -191,7 +191,7 @@ def _host(root: str, path: str) -> str:
 def watch_paths(inventory: Inventory, inputs: dict) -> list[str]:
     """Host paths whose change may change the inventory (present or not), without duplicates."""
     from ..fs.inroot import resolve_in_root
-    from . import graphics   # only on a miss: the hook's cache hit imports no inventory reader
+    from . import files, graphics   # only on a miss: the hook's cache hit imports no inventory reader
 
     root = inputs["root"]
     wanted: list[str] = []
@@ -212,6 +212,9 @@ def watch_paths(inventory: Inventory, inputs: dict) -> list[str]:
     for d in inputs["search_path"].split(":"):
         if d.startswith("/"):
             add(d, resolved=True)
+    for f in inventory.libraries:   # the driver's own bin directory, searched after the PATH
+        if os.path.basename(f.path).startswith("libnvidia-ml.so"):
+            add(files.driver_bin(f.path), resolved=True)
     for path in (PERSISTENCED_SOCKET, FABRICMANAGER_SOCKET, inputs["mps_dir"]):
         add(path)
         add(os.path.dirname(path), resolved=True)

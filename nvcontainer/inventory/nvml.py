@@ -161,6 +161,10 @@ def _collect(nv) -> dict:
             pass
         if gpu["mig_enabled"]:
             gpu["migs"] = _migs(nv, h)
+        try:   # for doctor: persistence set with nvidia-smi -pm 1 serves as well as the daemon
+            gpu["persistence"] = nv.nvmlDeviceGetPersistenceMode(h) == nv.NVML_FEATURE_ENABLED
+        except nv.NVMLError:
+            gpu["persistence"] = None
         gpus.append(gpu)
     return {
         "driver_version": _text(nv.nvmlSystemGetDriverVersion()),
