@@ -262,7 +262,8 @@ class Node:
                             "--pid", str(pid), "--device", "0", "--compute", "--utility", str(rootfs)]
                     env = None
                 else:   # the failure of its cgroup step is recorded, then it is run without that step
-                    argv = [str(self.anchors / "bin" / "nvidia-container-cli"), "configure", "--pid", str(pid),
+                    argv = [str(self.anchors / "bin" / "nvidia-container-cli"), "--debug",
+                            str(self.work / f"nvidia-debug-{len(results)}.log"), "configure", "--pid", str(pid),
                             "--device", "0", "--compute", "--utility", "--ldconfig", "@/sbin/ldconfig",
                             *(["--no-cgroups"] if "no-cgroups" in who else []), str(rootfs)]
                     env = self.nvidia_env
@@ -287,6 +288,10 @@ class Node:
         self.say(f"-> mounts only ours: {results['only_ours']}\n-> mounts only NVIDIA's: {results['only_nvidia']}")
         log = self.work / "configure-debug.log"
         results["debug_log"] = log.read_text()[-12000:] if log.exists() else ""
+        for n in (1, 2):
+            theirs = self.work / f"nvidia-debug-{n}.log"
+            if theirs.exists():
+                results[f"nvidia_debug_log_{n}"] = theirs.read_text(errors="replace")[-12000:]
         self.report["configure"] = results
 
     # --- runc -------------------------------------------------------------------------------
