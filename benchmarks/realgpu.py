@@ -503,7 +503,14 @@ class Node:
                      + (f"p95 added {row['p95_added']:+7.1f}" if "p95_added" in row else "")
                      + (f"  ({row['p95_added_over_single']:.2f}x its single-start overhead)"
                         if "p95_added_over_single" in row else "") + f"  failed {row['failed']}")
-        self.report["concurrent"] = {"at_once": at_once, "rounds": rounds, "summary": summary, "samples": samples}
+        # what a fork of the server copies (its page tables grow with its resident memory): the
+        # request children of a burst are forked one after another by this one process
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{self.server.pid}/status").read_text().splitlines()
+                      if line.startswith(("VmRSS", "VmPTE")))
+        server = {k: v.strip() for k, v in status.items()}
+        self.say(f"server: {server}")
+        self.report["concurrent"] = {"at_once": at_once, "rounds": rounds, "summary": summary, "samples": samples,
+                                     "server": server}
 
     def cleanup(self) -> None:
         if getattr(self, "server", None):
