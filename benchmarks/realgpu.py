@@ -512,6 +512,38 @@ class Node:
         self.report["concurrent"] = {"at_once": at_once, "rounds": rounds, "summary": summary, "samples": samples,
                                      "server": server}
 
+    def profile(self, template: Path, runs: int = 5) -> None:
+        """Where an in-process start goes on this node: interpreter and imports (timed, and
+        ``-X importtime``), then the steps of the hook's debug log in runc starts."""
+        from .hookprofile import importtime_top
+
+        self.say("\n== where an in-process start spends its time")
+        py = str(self.python)
+        out: dict = {}
+        for label, argv in {"python -I -S -c pass": [py, "-I", "-S", "-c", "pass"],
+                            "python -I -c pass": [py, "-I", "-c", "pass"],
+                            "python -I -c 'import nvcontainer.hook.main'": [py, "-I", "-c", "import nvcontainer.hook.main"]
+                            }.items():
+            ms = statistics.median(sh(argv)["ms"] for _ in range(10))
+            out[label] = ms
+            self.say(f"{ms:7.1f} ms  {label}")
+        imports = sh([py, "-I", "-X", "importtime", "-c", "import nvcontainer.hook.main"])["stderr"]
+        out["importtime"] = importtime_top(imports, 20)
+        self.say("\n".join(out["importtime"]))
+        out["sys.path"] = sh([py, "-I", "-c", "import sys; print(sys.path)"])["stdout"].strip()
+        self.say(f"sys.path: {out['sys.path']}")
+        logs = []
+        for i in range(runs):
+            log = self.work / f"hook-debug-{i}.log"
+            entry = dict(self.entries()["hook"], args=["nvcontainer-hook", "--debug", str(log), "prestart"])
+            result = self.run_bundle(self.bundle(template, [entry], GPU_ENV, ["/bin/true"]))
+            text = log.read_text() if log.exists() else ""
+            logs.append({"ms": result["ms"], "rc": result["rc"], "log": text})
+        self.say(f"runc run with the hook and --debug: {[x['ms'] for x in logs]} ms; the last run's log:")
+        self.say(logs[-1]["log"].rstrip())
+        out["debug_runs"] = logs
+        self.report["profile"] = out
+
     def cleanup(self) -> None:
         if getattr(self, "server", None):
             self.server.send_signal(signal.SIGTERM)
@@ -535,7 +567,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--at-once", type=int, default=32, help="starts spawned together (concurrent step)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the concurrent step")
-    parser.add_argument("--only", default="facts,parity,extras,configure,runc,timing,concurrent")
+    parser.add_argument("--only", default="facts,parity,extras,configure,runc,timing,concurrent,profile")
     args = parser.parse_args()
     node = Node(args)
     node.cgroups = []
@@ -556,14 +588,15 @@ def main() -> int:
                     steps[name]()
                 except Exception as exc:  # one broken step must not lose the others' record
                     node.say(f"!! step {name} failed: {type(exc).__name__}: {exc}")
-        if {"configure", "runc", "timing", "concurrent"} & set(parts):
+        if {"configure", "runc", "timing", "concurrent", "profile"} & set(parts):
             template = node.build_rootfs()
             node.base_spec = node.spec()
             node.start_server()
             for name, step in (("configure", lambda: node.configure(template)),
                                ("runc", lambda: node.runc_checks(template)),
                                ("timing", lambda: node.timing(template, args.runs)),
-                               ("concurrent", lambda: node.concurrent(template, args.at_once, args.rounds))):
+                               ("concurrent", lambda: node.concurrent(template, args.at_once, args.rounds)),
+                               ("profile", lambda: node.profile(template))):
                 if name in parts:
                     try:
                         step()
