@@ -512,6 +512,99 @@ class Node:
         self.report["concurrent"] = {"at_once": at_once, "rounds": rounds, "summary": summary, "samples": samples,
                                      "server": server}
 
+    def shim(self, template: Path) -> None:
+        """Our ``nvidia-container-runtime`` in place of runc, as an engine runs it: a spec with no
+        hook asking for GPU 0 gets the hook and the GPU's device nodes written into it (legacy
+        mode); a spec asking for nothing is left byte for byte."""
+        from nvcontainer.native import build
+
+        self.say("\n== the runtime shim (ours) in place of runc")
+        config = self.work / "shim-config.toml"
+        config.write_text("[nvidia-container-runtime]\n"
+                          f'runtimes = ["{self.tools}/runc"]\n'
+                          'mode = "legacy"\n'
+                          "[nvidia-container-runtime-hook]\n"
+                          f'path = "{self.venv}/bin/nvidia-container-runtime-hook"\n')
+        shim = self.work / "nvidia-container-runtime"
+        build.build_runtime(str(shim), str(self.python), str(config))
+        work = "nvidia-smi -L; " + ("/cudatest; " if self.has_cuda else "") + "ls /dev | grep -i nvidia | tr '\\n' ' '; echo"
+        out = {}
+        for label, env in (("GPU 0", GPU_ENV), ("no GPU", [])):
+            bundle = self.bundle(template, [], env, ["/bin/sh", "-c", work])
+            before = (bundle / "config.json").read_bytes()
+            result = sh([str(shim), "--root", str(self.work / "runc-state"), "run", *self.no_pivot, "--bundle",
+                         str(bundle), bundle.name], env=self.runc_env)
+            after = (bundle / "config.json").read_bytes()
+            spec = json.loads(after)
+            entry = {"run": result, "unchanged": before == after, "prestart": spec.get("hooks", {}).get("prestart", []),
+                     "devices": [d.get("path") for d in spec.get("linux", {}).get("devices", [])]}
+            sh([*self.runc, "delete", "-f", bundle.name], env=self.runc_env)
+            shutil.rmtree(bundle, ignore_errors=True)
+            self.block(f"shim, {label}", result)
+            self.say(f"-> config.json {'left byte for byte' if entry['unchanged'] else 'written'}; prestart hooks "
+                     f"{[h.get('path') for h in entry['prestart']]}; linux.devices {entry['devices']}")
+            out[label] = entry
+        self.report["shim"] = out
+
+    def deviceplugin(self) -> None:
+        """``nvcontainer device-plugin`` against the real NVML, registered with the tests' fake
+        kubelet: what it advertises, its health, and an Allocate of the GPU."""
+        self.say("\n== the device plugin against the real driver (the tests' fake kubelet)")
+        from tests.fixtures.kubelet import FakeKubelet, Watch
+        from nvcontainer.deviceplugin.v1beta1 import api_pb2 as pb
+
+        directory = self.work / "device-plugins"
+        directory.mkdir(mode=0o700, exist_ok=True)
+        config = self.work / "plugin.toml"
+        config.write_text(f'cache-dir = "{self.work}/plugin-cache"\n[device-plugin]\nsocket-dir = "{directory}"\n')
+        debug = self.work / "plugin-debug.log"
+        kubelet = FakeKubelet(directory).start()
+        stderr = open(self.work / "plugin.stderr", "wb")
+        plugin = subprocess.Popen([str(self.ours), "--config", str(config), "--debug", str(debug), "device-plugin"],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, cwd="/")
+        out: dict = {}
+        try:
+            (reg,) = kubelet.wait_registered(1, timeout=30)
+            out["registered"] = {"resource": reg.resource_name, "endpoint": reg.endpoint, "version": reg.version}
+            stub = kubelet.plugin(reg.endpoint)
+            watch = Watch(stub)
+            devices = watch.next(30)
+            out["advertised"] = {k: list(v) for k, v in devices.items()}
+            time.sleep(3)   # health: the real NVML's event wait runs meanwhile
+            later = {}
+            while True:
+                try:
+                    later = watch.next(0.5)
+                except Exception:
+                    break
+            out["after_3s"] = {k: list(v) for k, v in later.items()} if later else "no change"
+            watch.cancel()
+            ids = list(devices)
+            response = stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids[:1])]))
+            (answer,) = response.container_responses
+            out["allocate"] = {"envs": dict(answer.envs), "mounts": [m.host_path for m in answer.mounts],
+                               "devices": [d.host_path for d in answer.devices],
+                               "cdi": [d.name for d in answer.cdi_devices]}
+            options = stub.GetDevicePluginOptions(pb.Empty())
+            out["options"] = {"pre_start": options.pre_start_required,
+                              "preferred": options.get_preferred_allocation_available}
+        finally:
+            plugin.send_signal(signal.SIGTERM)
+            try:
+                out["exit"] = plugin.wait(30)
+            except subprocess.TimeoutExpired:
+                plugin.kill()
+                out["exit"] = "killed"
+            kubelet.stop()
+            stderr.close()
+            out["stderr"] = (self.work / "plugin.stderr").read_text(errors="replace")[-3000:]
+            out["debug"] = debug.read_text(errors="replace")[-6000:] if debug.exists() else ""
+            self.report["deviceplugin"] = out
+            for key in ("registered", "advertised", "after_3s", "allocate", "options", "exit"):
+                self.say(f"{key}: {out.get(key)}")
+            if out["stderr"].strip():
+                self.say("stderr: " + out["stderr"].strip())
+
     def profile(self, template: Path, runs: int = 5) -> None:
         """Where an in-process start goes on this node: interpreter and imports (timed, and
         ``-X importtime``), then the steps of the hook's debug log in runc starts."""
@@ -596,7 +689,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--at-once", type=int, default=32, help="starts spawned together (concurrent step)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the concurrent step")
-    parser.add_argument("--only", default="facts,parity,extras,configure,runc,timing,concurrent,profile")
+    parser.add_argument("--only", default="facts,parity,extras,deviceplugin,configure,runc,timing,concurrent,"
+                                          "profile,shim")
     args = parser.parse_args()
     node = Node(args)
     node.cgroups = []
@@ -609,7 +703,7 @@ def main() -> int:
     node.client = node.venv / "bin" / build.NAME
     if not node.client.exists():
         build.build(str(node.client), str(node.python))
-    steps = {"facts": node.facts, "parity": node.parity, "extras": node.extras}
+    steps = {"facts": node.facts, "parity": node.parity, "extras": node.extras, "deviceplugin": node.deviceplugin}
     try:
         for name in parts:
             if name in steps:
@@ -617,7 +711,7 @@ def main() -> int:
                     steps[name]()
                 except Exception as exc:  # one broken step must not lose the others' record
                     node.say(f"!! step {name} failed: {type(exc).__name__}: {exc}")
-        if {"configure", "runc", "timing", "concurrent", "profile"} & set(parts):
+        if {"configure", "runc", "timing", "concurrent", "profile", "shim"} & set(parts):
             template = node.build_rootfs()
             node.base_spec = node.spec()
             node.start_server()
@@ -625,7 +719,8 @@ def main() -> int:
                                ("runc", lambda: node.runc_checks(template)),
                                ("timing", lambda: node.timing(template, args.runs)),
                                ("concurrent", lambda: node.concurrent(template, args.at_once, args.rounds)),
-                               ("profile", lambda: node.profile(template))):
+                               ("profile", lambda: node.profile(template)),
+                               ("shim", lambda: node.shim(template))):
                 if name in parts:
                     try:
                         step()
