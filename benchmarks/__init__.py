@@ -1,4 +1,4 @@
-"""Container start latency benchmarks, on the fake GPU machine.
+"""Container start latency benchmarks, on the fake GPU machine (``realgpu``: on a real GPU node).
 
 Run, as root, from the repository root::
 
