@@ -95,6 +95,8 @@ class Node:
         self.runc = [str(self.tools / "runc"), "--root", str(self.work / "runc-state")]
         self.runc_env = dict(os.environ, LD_LIBRARY_PATH=str(self.tools / "lib"))
         self.no_pivot: list[str] = []
+        self.cgroups: list[Path] = []      # made for the namespaces, removed at the end
+        self.has_cuda = False
 
     def say(self, line: str = "") -> None:
         self.text.append(line)
@@ -228,10 +230,10 @@ class Node:
         proc.stdout.readline()
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         pid = int(children[0])
-        # its own cgroup, as a container has (never the node's root cgroup)
+        # its own cgroup, as a container has (never the node's root cgroup): the cgroup v2
+        # hierarchy where it is mounted there, the v1 devices controller where there is one
         for base in ("/sys/fs/cgroup", "/sys/fs/cgroup/devices"):
-            if base == "/sys/fs/cgroup" and not os.path.exists(f"{base}/cgroup.procs") or \
-                    base.endswith("devices") and not os.path.isdir(base):
+            if not os.path.exists(f"{base}/cgroup.procs"):
                 continue
             group = Path(base) / f"nvc-real-{pid}"
             group.mkdir(exist_ok=True)
@@ -245,8 +247,9 @@ class Node:
     def mounted(self, pid: int, rootfs: Path) -> list[str]:
         prefix = str(rootfs)
         lines = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
-        return sorted(line.split()[4][len(prefix):] for line in lines
-                      if line.split()[4].startswith(prefix + "/") and line.split()[4][len(prefix):] not in ("/proc", "/dev", "/sys"))
+        points = [line.split()[4] for line in lines]
+        return sorted(p[len(prefix):] for p in points
+                      if p.startswith(prefix + "/") and p[len(prefix):] not in ("/proc", "/dev", "/sys"))
 
     def configure(self, template: Path) -> None:
         self.say("\n== configure --pid into a namespace: ours, then NVIDIA's cli")
@@ -693,7 +696,6 @@ def main() -> int:
                                           "profile,shim")
     args = parser.parse_args()
     node = Node(args)
-    node.cgroups = []
     parts = args.only.split(",")
     node.work.mkdir(parents=True, exist_ok=True)
     subprocess.run(["tar", "-xJf", str(node.tools / "nvidia-anchors.tar.xz"), "-C", str(node.tools)], check=True)
