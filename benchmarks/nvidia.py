@@ -64,24 +64,43 @@ def hook_entry(base: Path, machine, tarball: Path = TARBALL) -> dict | None:
     dest.mkdir(exist_ok=True)
     subprocess.run(["tar", "-xJf", str(tarball), "-C", str(dest)], check=True)
     top = dest / "nvidia-anchors"
-    (dest / "cli-shim.c").write_text(CLI_SHIM_C)
-    cc = shutil.which("musl-gcc") or "gcc"
-    subprocess.run([cc, "-static", "-O2", f'-DREAL_CLI="{top}/bin/nvidia-container-cli"', "-o",
-                    str(dest / "nvidia-container-cli"), str(dest / "cli-shim.c")], check=True)
-    config = dest / "config.toml"
-    config.write_text(
-        f'supported-driver-capabilities = "{CAPABILITIES}"\n'
-        "[nvidia-container-cli]\n"
-        f'path = "{dest}/nvidia-container-cli"\n'
-        f'root = "{root}"\n'
-        f'environment = ["LD_LIBRARY_PATH={top}/lib"]\n'
-        'ldconfig = "@/sbin/ldconfig"\n'
-        "load-kmods = false\n"
-        "[nvidia-container-runtime]\n"
-        'mode = "auto"\n')
+    cli = build_cli_shim(dest, top / "bin" / "nvidia-container-cli")
+    config = write_config(dest / "config.toml", cli, f"{top}/lib", root=str(root))
     hook = top / "bin" / "nvidia-container-runtime-hook"
     return {"path": str(hook), "args": ["nvidia-container-runtime-hook", "-config", str(config), "prestart"],
             "env": workspace.HOOK_ENV, "timeout": 60}
+
+
+def build_cli_shim(dest: Path, real_cli: Path) -> Path:
+    """``dest/nvidia-container-cli``: :data:`CLI_SHIM_C` built to execute ``real_cli``; static
+    where the C library allows it, as the benchmarks' other helper programs."""
+    source = dest / "cli-shim.c"
+    source.write_text(CLI_SHIM_C)
+    program = dest / "nvidia-container-cli"
+    cc = shutil.which("musl-gcc") or "gcc"
+    argv = [cc, "-O2", f'-DREAL_CLI="{real_cli}"', "-o", str(program), str(source)]
+    if subprocess.run([*argv, "-static"], stderr=subprocess.DEVNULL).returncode != 0:
+        subprocess.run(argv, check=True)   # a node without a static C library
+    return program
+
+
+def write_config(path: Path, cli: Path, library_path: str, *, root: str | None = None, legacy: bool = False) -> Path:
+    """The ``config.toml`` NVIDIA's hook is registered with (the anchors' README): its cli (the
+    shim), the driver ``root`` (default ``/``), the cli's ``LD_LIBRARY_PATH``, host ldconfig, no
+    module loading; mode ``auto``, or ``legacy`` with the compat mode the 1.17.0 cli knows."""
+    lines = [f'supported-driver-capabilities = "{CAPABILITIES}"',
+             "[nvidia-container-cli]",
+             f'path = "{cli}"',
+             *([f'root = "{root}"'] if root else []),
+             f'environment = ["LD_LIBRARY_PATH={library_path}"]',
+             'ldconfig = "@/sbin/ldconfig"',
+             "load-kmods = false",
+             "[nvidia-container-runtime]",
+             'mode = "legacy"' if legacy else 'mode = "auto"']
+    if legacy:
+        lines += ["[nvidia-container-runtime.modes.legacy]", 'cuda-compat-mode = ""']
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def targets(median, p95, cpu=lambda name: None) -> list[tuple[str, float | None, str, bool | None]]:

@@ -41,9 +41,10 @@ import time
 import uuid
 from pathlib import Path
 
+from . import nvidia, stats
+
 HOOK_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
 GPU_ENV = ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
-CAPABILITIES = "compat32,compute,display,graphics,ngx,utility,video"
 
 CUDA_TEST = r"""
 #include <cstdio>
@@ -90,7 +91,7 @@ class Node:
         self.ours = self.venv / "bin" / "nvcontainer"
         self.report: dict = {"argv": sys.argv}
         self.text: list[str] = []
-        self.anchors = self.tools / "nvidia-anchors"   # where the cli shim was built to find it
+        self.anchors = self.work / "nvidia-anchors"   # unpacked by main()
         self.nvidia_env = dict(os.environ, LD_LIBRARY_PATH=f"{self.anchors}/lib:{self.tools}/lib")
         self.runc = [str(self.tools / "runc"), "--root", str(self.work / "runc-state")]
         self.runc_env = dict(os.environ, LD_LIBRARY_PATH=str(self.tools / "lib"))
@@ -337,17 +338,8 @@ class Node:
                                 "prestart"], "env": HOOK_ENV, "timeout": 60},
             "empty": {"path": str(self.tools / "busybox"), "args": ["true"], "env": HOOK_ENV, "timeout": 60},
         }
-        (self.work / "nvidia-config.toml").write_text(
-            f'supported-driver-capabilities = "{CAPABILITIES}"\n'
-            "[nvidia-container-cli]\n"
-            f'path = "{self.tools}/nvidia-cli-shim"\n'
-            f'environment = ["LD_LIBRARY_PATH={self.anchors}/lib:{self.tools}/lib"]\n'
-            'ldconfig = "@/sbin/ldconfig"\n'
-            "load-kmods = false\n"
-            "[nvidia-container-runtime]\n"
-            'mode = "legacy"\n'
-            "[nvidia-container-runtime.modes.legacy]\n"
-            'cuda-compat-mode = ""\n')
+        nvidia.write_config(self.work / "nvidia-config.toml", self.work / "nvidia-container-cli",
+                            f"{self.anchors}/lib:{self.tools}/lib", legacy=True)
         return entries
 
     def start_server(self) -> None:
@@ -435,19 +427,18 @@ class Node:
                     continue
                 samples[arm]["ms"].append(result["ms"])
                 samples[arm]["cpu_ms"].append(round(cpu, 2))
-        none = statistics.median(samples["none"]["ms"]) if samples["none"]["ms"] else None
-        none_cpu = statistics.median(samples["none"]["cpu_ms"]) if samples["none"]["cpu_ms"] else None
+        none = stats.summary(samples["none"]["ms"]).get("median")
+        none_cpu = stats.summary(samples["none"]["cpu_ms"]).get("median")
         summary = {}
         self.say(f"{'arm':14} {'median':>8} {'p95':>8} {'over none':>10} {'CPU/start':>10} {'CPU over none':>14} failed")
         for arm, s in samples.items():
             if not s["ms"]:
                 self.say(f"{arm:14} all {len(s['failed'])} runs failed: {s['failed'][:1]}")
                 continue
-            ms = sorted(s["ms"])
-            med, p95 = statistics.median(ms), ms[min(len(ms) - 1, int(0.95 * len(ms)))]
-            cpu = statistics.median(s["cpu_ms"])
+            wall, cpu = stats.summary(s["ms"]), stats.summary(s["cpu_ms"])["median"]
+            med, p95 = wall["median"], wall["p95"]
             summary[arm] = {"median": med, "p95": p95, "over_none": med - none, "cpu": cpu, "cpu_over_none": cpu - none_cpu,
-                            "n": len(ms), "failed": len(s["failed"])}
+                            "n": wall["n"], "failed": len(s["failed"])}
             self.say(f"{arm:14} {med:8.1f} {p95:8.1f} {med - none:+10.1f} {cpu:10.1f} {cpu - none_cpu:+14.1f} {len(s['failed'])}")
         if "nvidia" in summary and summary["nvidia"]["over_none"] > 0:
             for arm in ("served", "hook"):
@@ -487,16 +478,14 @@ class Node:
                     shutil.rmtree(b, ignore_errors=True)
         single = self.report.get("timing", {}).get("summary", {})
 
-        def p95(xs):
-            xs = sorted(xs)
-            return xs[min(len(xs) - 1, int(0.95 * len(xs)))]
         summary = {}
-        none = p95(samples["none"]["ms"]) if samples["none"]["ms"] else None
+        none = stats.summary(samples["none"]["ms"]).get("p95")
         for arm, s in samples.items():
             if not s["ms"]:
                 self.say(f"{arm:8} all failed: {s['failed'][:1]}")
                 continue
-            row = {"median": statistics.median(s["ms"]), "p95": p95(s["ms"]), "n": len(s["ms"]), "failed": len(s["failed"])}
+            wall = stats.summary(s["ms"])
+            row = {"median": wall["median"], "p95": wall["p95"], "n": wall["n"], "failed": len(s["failed"])}
             if arm != "none" and none is not None:
                 row["p95_added"] = row["p95"] - none
                 if arm in single and single[arm]["over_none"] > 0:
@@ -686,19 +675,20 @@ class Node:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", required=True, help="scratch directory (removed by the caller)")
-    parser.add_argument("--tools", required=True, help="runc, busybox, their libraries, NVIDIA's cli shim")
+    parser.add_argument("--tools", required=True, help="runc, busybox, their libraries, NVIDIA's tools, wheels")
     parser.add_argument("--venv", required=True, help="the environment nvcontainer is installed in")
     parser.add_argument("--out", required=True, help="where realgpu.json and realgpu.txt are written")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--at-once", type=int, default=32, help="starts spawned together (concurrent step)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the concurrent step")
     parser.add_argument("--only", default="facts,parity,extras,deviceplugin,configure,runc,timing,concurrent,"
-                                          "profile,shim")
+                                          "profile,shim", help="the steps to run, comma-separated (default: %(default)s)")
     args = parser.parse_args()
     node = Node(args)
     parts = args.only.split(",")
     node.work.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["tar", "-xJf", str(node.tools / "nvidia-anchors.tar.xz"), "-C", str(node.tools)], check=True)
+    subprocess.run(["tar", "-xJf", str(node.tools / "nvidia-anchors.tar.xz"), "-C", str(node.work)], check=True)
+    nvidia.build_cli_shim(node.work, node.anchors / "bin" / "nvidia-container-cli")
     # a caller's timeout (SIGTERM) still leaves the record of the steps that ran
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
     from nvcontainer.native import build

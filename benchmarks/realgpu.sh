@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Runs benchmarks/realgpu.py on a bare GPU node, as root, from the repository root:
 #
-#     benchmarks/realgpu.sh TOOLS OUT [--runs N] [--only facts,parity,extras,configure,runc,timing]
+#     benchmarks/realgpu.sh TOOLS OUT [--runs N] [--only STEPS]   (steps: realgpu.py --help)
 #
 # TOOLS is a directory with what such a node lacks: runc and a static busybox, the shared
 # libraries runc and NVIDIA's cli need (lib/), NVIDIA's tools to compare with
-# (nvidia-anchors.tar.xz, from ../shared/anchors), the static shim that drops the one option
-# the 1.17.9 hook passes and the 1.17.0 cli does not know (nvidia-cli-shim, built to execute
-# /tmp/nvc-real/tools/nvidia-anchors/bin/nvidia-container-cli) and wheels of the Python
-# dependencies the node's python3 lacks (whl/). nvcontainer itself is installed from this
-# checkout, as a regular (non-editable) install into a virtual environment that also sees the
-# node's python3 packages; its native fronts and hook client are built with the node's compiler.
+# (nvidia-anchors.tar.xz, from ../shared/anchors; the shim that drops the one option the 1.17.9
+# hook passes and the 1.17.0 cli does not know is built here, as benchmarks/nvidia.py builds it)
+# and wheels of the Python dependencies the node's python3 lacks (whl/). nvcontainer itself is
+# installed from this checkout, as a regular (non-editable) install into a virtual environment
+# that also sees the node's python3 packages; its native fronts and hook client are built with
+# the node's compiler.
 # Everything goes under /tmp/nvc-real, removed first; OUT receives realgpu.json and realgpu.txt.
 set -u
 tools=$1 out=$2
