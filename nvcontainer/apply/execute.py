@@ -10,9 +10,10 @@ naming the step.
 Why one worker for both container steps: each worker costs a fork, a ``setns`` and an exit,
 and ldconfig needs the mounts placed first anyway, so the worker that placed them becomes the
 sandbox and then ldconfig itself (it leaves for a private copy of the namespace, and it was
-forked into the sandbox's other namespaces: ``worker.start(..., isolated=True)``). Why the cgroup step beside ldconfig and not after it: it needs nothing from the
-container's namespace and nothing ldconfig does, only ``/proc/PID`` reads in this process,
-which must stay in the host's namespace. Why not beside the mounts too: placing them is also a
+forked into the sandbox's other namespaces: ``worker.start(..., isolated=True)``). Why the
+cgroup step beside ldconfig and not after it: it needs nothing from the container's namespace
+and nothing ldconfig does, only ``/proc/PID`` reads in this process, which must stay in the
+host's namespace. Why not beside the mounts too: placing them is also a
 check (a target under a shared mount, i.e. a "container" that is in fact the host's namespace
 where the pin cannot tell, is refused there), and no device may be granted before it passed.
 If the cgroup step fails, the worker is killed and reaped before the error goes on, so nothing

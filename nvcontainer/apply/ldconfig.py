@@ -37,7 +37,8 @@ Runs on one rootfs are serialised with an exclusive ``flock`` on the rootfs dire
 by the sandbox on its "/" and held by ldconfig itself (one fd of its own root) until it exits:
 glibc's ldconfig writes its cache through the fixed temporary name ``/etc/ld.so.cache~`` and
 replaces SONAME links with unlink+symlink, so two containers started at once from one rootfs
-would otherwise break each other's run. Only containers sharing that rootfs can hold the lock up, and the deadline bounds it.
+would otherwise break each other's run. Only containers sharing that rootfs can hold the lock
+up, and the deadline bounds it.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def _check(ret: int, what: str) -> None:
 def setns_mount(fd: int) -> None:
     """Enter the mount namespace ``fd`` refers to. The kernel refuses (EINVAL) when the caller
     has more than one thread, and checks that ``fd`` really is a mount namespace."""
-    _check(_lib().setns(fd, CLONE_NEWNS), "setns")
+    setns(fd, CLONE_NEWNS)
 
 
 def setns(fd: int, nstype: int) -> None:

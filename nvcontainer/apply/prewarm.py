@@ -98,6 +98,8 @@ def written_ranges() -> bytes:
     try:
         budget = MAX_PAGES
         for start, end in _mappings():
+            if not budget:
+                break
             pages = min((end - start) // PAGE, budget)
             budget -= pages
             entries = array.array("Q", os.pread(fd, pages * 8, start // PAGE * 8))

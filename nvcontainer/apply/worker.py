@@ -444,7 +444,11 @@ def become_worker(parent: int, keep: list[int], wfd: int, parent_fd: int | None 
     # The parent may have died between fork() and the line above; the death signal would then
     # never come. After that, getppid() names whoever adopted us, not the parent (or reads 0
     # in a PID namespace of our own, where the parent's pidfd tells instead).
-    if os.getppid() != parent if parent_fd is None else select.select([parent_fd], [], [], 0)[0]:
+    if parent_fd is None:
+        orphaned = os.getppid() != parent
+    else:
+        orphaned = bool(select.select([parent_fd], [], [], 0)[0])   # a pidfd reads ready once its process exited
+    if orphaned:
         os._exit(1)
     if parent_fd is not None:
         ns.unshare(ISOLATION)   # an OSError: the worker's failure (the standby's: none comes)

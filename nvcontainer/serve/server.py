@@ -60,17 +60,15 @@ def preload() -> None:
     import pickle  # noqa: F401   (handing a job to a standby worker)
     import tomllib  # noqa: F401
 
-    from ..config import load  # noqa: F401
+    from ..config import load, values  # noqa: F401
     from ..plan import gather as configure  # noqa: F401
     from ..hook import prestart as hook  # noqa: F401
-    from ..request import oci, decide as request, require  # noqa: F401
+    from ..request import decide, oci, require, selection
     from ..apply import prewarm  # noqa: F401
     from ..apply import execute, ldconfig, mounter, pin, worker  # noqa: F401
     from ..cgroups import bpf, locate, rules, v1, v2  # noqa: F401
     from ..inventory import cache  # noqa: F401
     from ..plan import build, container, model  # noqa: F401
-    from ..config import values
-    from ..request import decide, selection
 
     # The hook path's patterns are strings that re compiles on first use (a cold hook matches
     # few of them); compiled here, into re's cache, every child finds them ready.
