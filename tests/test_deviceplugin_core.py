@@ -56,6 +56,9 @@ def test_settings_defaults_and_keys():
                "ignore-xids": [48, 48, 79], "socket-dir": "/tmp/x/"})
     assert (s.mig_strategy, s.device_list_strategy, s.replicas, s.ignore_xids, s.socket_dir) == \
         ("mixed", ("envvar", "cdi-cri"), 4, (48, 79), "/tmp/x")
+    assert (Settings().sharing, Settings().mps_root) == ("time-slicing", "/run/nvidia/mps")
+    s = parse({"sharing": "mps", "mps-root": "/srv/mps/", "replicas": 2})
+    assert (s.sharing, s.mps_root) == ("mps", "/srv/mps")
 
 
 @pytest.mark.parametrize("raw, word", [
@@ -70,6 +73,9 @@ def test_settings_defaults_and_keys():
     ({"cdi-annotation-prefix": "cdi.k8s.io"}, "device-plugin.cdi-annotation-prefix"),
     ({"ignore-xids": ["48"]}, "device-plugin.ignore-xids"),
     ({"heartbeat-seconds": 2, "heartbeat-timeout-seconds": 3}, "twice"),
+    ({"sharing": "MPS"}, "device-plugin.sharing"),
+    ({"sharing": "timeslicing"}, "device-plugin.sharing"),
+    ({"mps-root": "run/mps"}, "device-plugin.mps-root"),
 ])
 def test_settings_refuse_bad_values(raw, word):
     with pytest.raises(NvcError) as err:

@@ -18,7 +18,13 @@ device-list-strategy                ["envvar"]                         how Alloc
 cdi-kind                            "nvidia.com/gpu"                   vendor/class of the CDI names
                                                                        (as `cdi generate` was given)
 cdi-annotation-prefix               "cdi.k8s.io/"                      annotation key prefix
-replicas                            1                                  time-slicing: IDs per device
+replicas                            1                                  IDs per device (shared by
+                                                                       time-slicing or MPS)
+sharing                             "time-slicing"                     how replicas share a GPU:
+                                                                       time-slicing or mps
+mps-root                            "/run/nvidia/mps"                  host directory of the MPS
+                                                                       daemons' per-resource pipe
+                                                                       and log directories
 rename-shared                       false                              with replicas: advertise
                                                                        <resource>.shared
 fail-requests-greater-than-one      false                              with replicas: refuse requests
@@ -44,6 +50,8 @@ from ..records import record, replace
 MIG_STRATEGIES = ("none", "single", "mixed")
 ID_STRATEGIES = ("uuid", "index")
 LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
+SHARING = ("time-slicing", "mps")
+DEFAULT_MPS_ROOT = "/run/nvidia/mps"
 MAX_REPLICAS = 64
 MAX_XIDS = 256
 DEFAULT_SOCKET_DIR = "/var/lib/kubelet/device-plugins"
@@ -62,6 +70,8 @@ class Settings:
     cdi_kind: str = "nvidia.com/gpu"
     cdi_annotation_prefix: str = "cdi.k8s.io/"
     replicas: int = 1
+    sharing: str = "time-slicing"
+    mps_root: str = DEFAULT_MPS_ROOT
     rename_shared: bool = False
     fail_requests_greater_than_one: bool = False
     health_checks: bool = True
@@ -157,6 +167,8 @@ _KEYS = {
     "cdi-kind": ("cdi_kind", _kind),
     "cdi-annotation-prefix": ("cdi_annotation_prefix", _prefix),
     "replicas": ("replicas", _replicas),
+    "sharing": ("sharing", _choice(SHARING)),
+    "mps-root": ("mps_root", _absolute),
     "rename-shared": ("rename_shared", _bool),
     "fail-requests-greater-than-one": ("fail_requests_greater_than_one", _bool),
     "health-checks": ("health_checks", _bool),
