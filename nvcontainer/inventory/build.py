@@ -167,4 +167,5 @@ def _gpu(g: dict, root: str, proc: str, caps_major: int | None) -> Gpu:
         mig_enabled=g["mig_enabled"],
         migs=tuple(migs),
         dri=graphics.dri_nodes(root, bus_id),
+        memory_mib=int(g.get("memory_mib") or 0),
     )

@@ -149,6 +149,7 @@ def _collect(nv) -> dict:
             "uuid": _text(nv.nvmlDeviceGetUUID(h)),
             "bus": [pci.domain, pci.bus, pci.device],
             "cc": list(cc),
+            "memory_mib": _memory_mib(nv, h),
             "mig_capable": False,
             "mig_enabled": False,
             "migs": [],
@@ -171,6 +172,14 @@ def _collect(nv) -> dict:
         "cuda_version": nv.nvmlSystemGetCudaDriverVersion(),
         "gpus": gpus,
     }
+
+
+def _memory_mib(nv, h) -> int:
+    """Total framebuffer memory in MiB (MPS's per-client limits); 0 where NVML cannot say."""
+    try:
+        return int(nv.nvmlDeviceGetMemoryInfo(h).total) >> 20
+    except nv.NVMLError:
+        return 0
 
 
 def _migs(nv, h) -> list[dict]:
