@@ -165,10 +165,13 @@ class Daemon:
         self.unready()
         why = self.tell(mps.QUIT) if is_pipe(self.share.control) else ""
         self.clear()
-        try:
-            os.rmdir(os.path.dirname(self.share.directory))
-        except OSError:
-            pass                     # another GPU's directory is still there
+        parent = os.path.dirname(self.share.directory)
+        for _ in range(self.share.resource.count("/") + 1):     # nvidia.com/gpu: two levels
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break                # another GPU's directory is still there
+            parent = os.path.dirname(parent)
         return why
 
     def clear(self) -> None:
