@@ -289,3 +289,19 @@ def test_mps_daemon_refuses_without_mps(machine, tmp_path):
     daemon.stop()
     assert daemon.stderr() == ('nvcontainer: config error: device-plugin.sharing is "mps" with replicas = 1: '
                                'mps-daemon needs sharing = "mps" and replicas above 1\n')
+
+
+def test_mount_shm_makes_a_tmpfs_once(machine, tmp_path):
+    """--mount-shm (the init container's job) in a mount namespace of the test's own."""
+    root = tmp_path / "mps"
+    config = plugin_config(tmp_path / "c.toml", tmp_path / "cache", {"sharing": "mps", "mps-root": str(root)})
+    cmd = [sys.executable, "-m", "nvcontainer", "--config", str(config), "mps-daemon", "--mount-shm"]
+    script = (f'{" ".join(cmd)} && {" ".join(cmd)} && grep " {root}/shm " /proc/self/mountinfo')
+    res = subprocess.run(["unshare", "-m", "--propagation", "private", "--", "/bin/sh", "-c", script],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    (mount,) = res.stdout.splitlines()
+    assert " - tmpfs shm " in mount and "nosuid" in mount and "nodev" in mount and "noexec" in mount
+    assert res.stderr.splitlines() == [f"nvcontainer mps-daemon: {root}/shm: tmpfs mounted",
+                                       f"nvcontainer mps-daemon: {root}/shm: already a mount"]
+    assert not os.path.ismount(root / "shm")            # only in that namespace

@@ -107,3 +107,30 @@ def test_ready_only_with_marker_pipe_and_the_same_limits():
     assert "not JSON" in mps.not_ready(a, "{", True)
     (other, _), _ = shares_of(replicas=2)
     assert "other limits" in mps.not_ready(a, mps.marker(other), True)
+
+
+# --- documentation ------------------------------------------------------------------------------
+
+def test_mps_daemon_page_documents_every_option_and_renders():
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import re
+    import sys
+
+    from tests.test_docs import assert_documented, section
+
+    root = Path(__file__).resolve().parent.parent
+    page = root / "man" / "nvcontainer-mps-daemon.1"
+    out = subprocess.run([sys.executable, "-m", "nvcontainer", "mps-daemon", "--help"], capture_output=True,
+                         text=True, check=True, cwd=root, timeout=60).stdout
+    options = [(None, o) for o in re.findall(r"^ {2}(--[a-z0-9][a-z0-9-]*)", out, re.M) if o != "--help"]
+    assert [o for _, o in options] == ["--interval", "--mount-shm"]
+    assert_documented(options, section(page.read_text(), ".SH OPTIONS"), "man/nvcontainer-mps-daemon.1 (OPTIONS)")
+    if shutil.which("man") is None:
+        pytest.skip("man is not installed")
+    result = subprocess.run(["man", "--warnings", "-l", str(page)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, MANWIDTH="80"), timeout=60)
+    assert result.returncode == 0 and result.stderr == ""
