@@ -78,7 +78,8 @@ def test_more_replicas_than_an_mps_server_takes():
 
 def test_what_the_daemon_is_told_and_its_environment():
     (a, _), _ = shares_of(replicas=4)
-    assert mps.commands(a) == ("set_default_device_pinned_mem_limit 0 20480M", "set_default_active_thread_percentage 25")
+    assert mps.commands(a) == ("set_default_device_pinned_mem_limit 0 20480M",
+                               "set_default_active_thread_percentage 25")
     assert mps.daemon_env(a) == {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "CUDA_MPS_PIPE_DIRECTORY": a.pipe,
                                  "CUDA_MPS_LOG_DIRECTORY": a.log, "CUDA_VISIBLE_DEVICES": a.uuid}
 
@@ -88,7 +89,8 @@ def test_allocate_hands_out_pipe_shm_and_limits():
     resource = devices.advertise(TWO, settings)[0]
     by_uuid = {s.uuid: s for s in shares}
     got = allocate([f"{gpu(1).uuid}::3"], resource, frozenset(), settings, "r", by_uuid)
-    assert dict(got.envs) == {"NVIDIA_VISIBLE_DEVICES": gpu(1).uuid, "CUDA_MPS_PIPE_DIRECTORY": "/mps/nvidia.com/gpu/pipe",
+    assert dict(got.envs) == {"NVIDIA_VISIBLE_DEVICES": gpu(1).uuid,
+                              "CUDA_MPS_PIPE_DIRECTORY": "/mps/nvidia.com/gpu/pipe",
                               "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3840M"}
     assert [(m.container_path, m.host_path, m.read_only) for m in got.mounts] == [
         ("/mps/nvidia.com/gpu/pipe", f"/run/nvidia/mps/nvidia.com/gpu/{gpu(1).uuid}/pipe", False),

@@ -238,7 +238,8 @@ class Supervisor:
                     continue
                 d.unready()
                 self.ready[uuid] = False
-                self.reporter.say(f"MPS daemon for {d.share.name} stopped answering ({why}): starting it again")
+                self.reporter.state(uuid, f"MPS daemon for {d.share.name} stopped answering ({why}): "
+                                          "starting it again")
             why = d.start()
             if why:
                 d.unready()
