@@ -323,3 +323,18 @@ def test_mount_shm_makes_a_tmpfs_once(machine, tmp_path):
     assert res.stderr.splitlines() == [f"nvcontainer mps-daemon: {root}/shm: tmpfs mounted",
                                        f"nvcontainer mps-daemon: {root}/shm: already a mount"]
     assert not os.path.ismount(root / "shm")            # only in that namespace
+
+
+def test_a_link_in_a_gpu_directory_s_place_is_not_followed(machine, tmp_path, fresh_record):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    gpu_dir = tmp_path / "mps/nvidia.com/gpu" / uuids(machine)[0]
+    gpu_dir.parent.mkdir(parents=True)
+    gpu_dir.symlink_to(outside)
+    daemon = MpsDaemon(machine, tmp_path, {"replicas": 2})
+    try:
+        daemon.wait_for("ready", count=2)
+        assert not gpu_dir.is_symlink() and gpu_dir.is_dir()
+        assert list(outside.iterdir()) == []
+    finally:
+        assert daemon.stop() == 0
