@@ -39,15 +39,20 @@ TAG = f"localhost/nvcontainer:{VERSION}"
 ARCHIVE = REPO / "dist" / f"nvcontainer_{VERSION}_image.oci.tar"
 SOCKET_DIR = "/var/lib/kubelet/device-plugins"
 # what the plugin's container needs and no more: root, to own its socket in the kubelet's
-# root-only directory; CAP_SETUID and CAP_SETGID, to load NVML as the unprivileged identity.
-# Not privileged: the node's hook gives it the device nodes and their cgroup rules.
-MINIMUM = ("--cap-drop=all", "--cap-add=SETUID,SETGID", "--security-opt=no-new-privileges")
+# root-only directory; CAP_SETUID and CAP_SETGID, to load NVML as the unprivileged identity, and
+# CAP_KILL, to stop those children (another user's processes). Not privileged: the node's hook
+# gives it the device nodes and their cgroup rules.
+MINIMUM = ("--cap-drop=all", "--cap-add=SETUID,SETGID,KILL", "--security-opt=no-new-privileges")
 
 
 def archive() -> Path:
-    if not ARCHIVE.exists():
-        if os.environ.get("CI") == "true":
+    """The image's archive; built here when it is missing (or, outside CI, older than the code)."""
+    if os.environ.get("CI") == "true":
+        if not ARCHIVE.exists():
             pytest.fail(f"{ARCHIVE} is missing: .ci/run builds it with scripts/image before the tests")
+        return ARCHIVE
+    built = ARCHIVE.stat().st_mtime if ARCHIVE.exists() else 0
+    if any(p.stat().st_mtime > built for p in (REPO / "nvcontainer").rglob("*.py")):
         res = subprocess.run([str(REPO / "scripts/image")], capture_output=True, text=True, timeout=1200)
         assert res.returncode == 0, res.stderr
     return ARCHIVE
@@ -152,3 +157,34 @@ def test_plugin_from_the_image(machine, podman, tmp_path):
     err = log.read_text()
     assert code == 0, err
     assert "Traceback" not in err, err
+
+
+def test_image_without_the_package(tmp_path):
+    """scripts/image given a .deb that is not there: one line, non-zero, dist/ as it was."""
+    dist = REPO / "dist"
+    before = sorted(os.listdir(dist)) if dist.exists() else None
+    missing = tmp_path / "nvcontainer_0.0.0_amd64.deb"
+    res = subprocess.run([str(REPO / "scripts/image"), str(missing)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert res.stderr.splitlines() == [f"scripts/image: no package at {missing} (make one with scripts/package)"]
+    assert res.stdout == ""
+    assert (sorted(os.listdir(dist)) if dist.exists() else None) == before
+
+
+def test_containerfile_without_the_package(podman, tmp_path):
+    """The Containerfile alone (a context without the .deb): its check stops the build with one
+    line naming the file. The base it names is the loaded image, tagged so in the private store."""
+    base = next(line.split()[1] for line in (REPO / "Containerfile").read_text().splitlines()
+                if line.startswith("FROM "))
+    assert podman.run("tag", TAG, base).returncode == 0
+    context = tmp_path / "context"
+    context.mkdir()
+    shutil.copy(REPO / "Containerfile", context)
+    res = podman.run("build", "--pull=never", "--isolation=chroot", "--layers=false", f"--build-arg=VERSION={VERSION}",
+                     "--tag=localhost/nvcontainer-no-deb:1", str(context))
+    assert res.returncode != 0
+    lines = [line for line in (res.stdout + res.stderr).splitlines() if line.startswith("Containerfile: ")]
+    assert lines == [f"Containerfile: no dist/nvcontainer_{VERSION}_amd64.deb to install: make it with "
+                     "scripts/package (or build with scripts/image); with several versions there, pass "
+                     "--build-arg VERSION"], res.stdout + res.stderr
+    assert podman.run("image", "exists", "localhost/nvcontainer-no-deb:1").returncode != 0

@@ -95,12 +95,12 @@ def _child(lib_path: str, user: tuple[int, int] | None, parent: int) -> dict:
     # readable by the unprivileged identity (a Python under /root, say).
     import pynvml
 
-    _die_with_parent(parent)
     if user is not None and os.geteuid() == 0:
         uid, gid = user
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
+    _die_with_parent(parent)   # after the drop: a change of identity clears the parent-death signal
     try:
         # Loading by full path first means pynvml's own CDLL("libnvidia-ml.so.1") is satisfied
         # by this object (glibc matches loaded objects by SONAME), not by the system search path.
