@@ -30,8 +30,8 @@ import pytest
 
 from nvcontainer.deviceplugin.v1beta1 import api_pb2 as pb
 from tests.fixtures import runtime
-from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.kubelet import FakeKubelet, Watch
+from tests.test_cdi_podman import machine  # noqa: F401  (the 2-GPU machine; skips without podman and crun)
 
 REPO = Path(__file__).resolve().parent.parent
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -84,13 +84,6 @@ class Podman:
 
     def close(self) -> None:
         shutil.rmtree(self.runroot, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def machine(fake_machine_factory):
-    if shutil.which("podman") is None or shutil.which("crun") is None:
-        pytest.skip("podman and crun are needed")
-    return fake_machine_factory(FakeSpec(gpus=2))
 
 
 @pytest.fixture(scope="module")
