@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -231,3 +233,15 @@ def test_inventory_round_trips_through_json(fake_machine_factory):
     inv = inventory_of(fake_machine_factory(FakeSpec(mig=True)))
     again = Inventory.from_dict(json.loads(json.dumps(inv.to_dict())))
     assert again == inv
+
+
+def test_nvml_as_pid_1(fake_machine):
+    """A container's entrypoint is pid 1 (the device plugin in its DaemonSet): its NVML helper's
+    parent is pid 1 and alive, not gone."""
+    script = ("import sys; from nvcontainer.inventory.build import build; "
+              "print(len(build(sys.argv[1], proc=sys.argv[2]).gpus))")
+    res = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script,
+                          str(fake_machine.root), str(fake_machine.proc)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(len(fake_machine.description()["gpus"]))

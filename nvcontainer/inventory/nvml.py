@@ -25,12 +25,13 @@ MAX_GPUS = 256
 def query(lib_path: str, user: tuple[int, int] | None, deadline: float = 30.0) -> dict:
     """Ask NVML about the driver and every GPU; see :func:`_collect` for the shape."""
     rfd, wfd = os.pipe()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # child
         os.close(rfd)
         code = 0
         try:
-            reply = _child(lib_path, user)
+            reply = _child(lib_path, user, parent)
         except BaseException as exc:  # anything at all must come back as data, not a traceback
             reply = {"error": ["initialization", f"nvml error: {escape(exc)}"]}
             code = 1
@@ -87,19 +88,19 @@ def _reap(pid: int) -> None:
         pass
 
 
-def _child(lib_path: str, user: tuple[int, int] | None) -> dict:
+def _child(lib_path: str, user: tuple[int, int] | None, parent: int) -> dict:
     import ctypes
 
     # Import everything before dropping privileges: the interpreter's own files may not be
     # readable by the unprivileged identity (a Python under /root, say).
     import pynvml
 
-    _die_with_parent()
     if user is not None and os.geteuid() == 0:
         uid, gid = user
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
+    _die_with_parent(parent)   # after the drop: a change of identity clears the parent-death signal
     try:
         # Loading by full path first means pynvml's own CDLL("libnvidia-ml.so.1") is satisfied
         # by this object (glibc matches loaded objects by SONAME), not by the system search path.
@@ -121,11 +122,14 @@ def _child(lib_path: str, user: tuple[int, int] | None) -> dict:
             pass
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
+    """The parent may have died before the signal was armed: then getppid() names whoever
+    adopted us. Compared with the parent's pid, not with 1: a container's entrypoint (the device
+    plugin in its DaemonSet) is pid 1, and its children are nobody's orphans."""
     import prctl
 
     prctl.set_pdeathsig(signal.SIGKILL)
-    if os.getppid() == 1:
+    if os.getppid() != parent:
         os._exit(1)
 
 
