@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -245,3 +246,34 @@ def test_nvml_as_pid_1(fake_machine):
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str(len(fake_machine.description()["gpus"]))
+
+
+@pytest.mark.root
+def test_nvml_helper_reaped_without_cap_kill():
+    """A plugin container with only the capabilities it needs has no CAP_KILL: reaping the NVML
+    helper (another user by then) must not raise, and must still collect it once it exits."""
+    import prctl
+
+    from nvcontainer.inventory import nvml as nvml_module
+
+    pid = os.fork()
+    if pid == 0:   # the test's own process: drop CAP_KILL, then reap a helper of another user
+        code = 1
+        try:
+            prctl.cap_effective.kill = False
+            prctl.cap_permitted.kill = False
+            helper = os.fork()
+            if helper == 0:
+                os.setresuid(65534, 65534, 65534)
+                time.sleep(0.3)
+                os._exit(0)
+            time.sleep(0.05)
+            nvml_module._reap(helper)
+            try:
+                os.waitpid(helper, os.WNOHANG)
+            except ChildProcessError:
+                code = 0   # reaped
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -86,6 +86,22 @@ def _reap(pid: int) -> None:
             os.waitpid(pid, 0)
     except ChildProcessError:
         pass
+    except PermissionError:
+        # The helper runs as another user and this process lacks CAP_KILL (a device plugin
+        # container with only the capabilities it needs): it has answered and is exiting on
+        # its own, so wait a little for it, and leave it to be reaped later if it lingers.
+        _wait_briefly(pid)
+
+
+def _wait_briefly(pid: int, seconds: float = 2.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] != 0:
+                return
+        except ChildProcessError:
+            return
+        time.sleep(0.01)
 
 
 def _child(lib_path: str, user: tuple[int, int] | None, parent: int) -> dict:
