@@ -24,13 +24,15 @@ CHECK_EVERY = 10.0
 
 async def keep_published(config, api, node: str, inv, *, allow=None, taint: bool = False, sysfs: str = "/sys",
                          proc: str = "/proc", say=print, check_every: float = CHECK_EVERY,
-                         resync: float = publish.RESYNC) -> None:
+                         resync: float = publish.RESYNC, on_health=None, on_inventory=None) -> None:
     """``allow``: inventory → AllowList | None (the node's ``allowed-devices``); ``inv``: the
-    inventory the command built before its threads started."""
+    inventory the command built before its threads started; ``on_health({UUID: why})`` and
+    ``on_inventory(inv)``: the kubelet side's hooks (refuse to prepare an unhealthy device, offer
+    the devices of a new inventory), called from the event loop."""
     loop = publish.Loop(publish.Publisher(api, node, allow=allow, taint=taint, sysfs=sysfs, say=say), resync=resync)
     loop.inventory(inv)
     running = asyncio.create_task(loop.run())
-    watch = _Health(config, loop, say)
+    watch = _Health(config, loop, say, on_health)
     watch.start(inv)
     failing = ""
     try:
@@ -50,6 +52,8 @@ async def keep_published(config, api, node: str, inv, *, allow=None, taint: bool
                 say(f"the inventory changed: {len(now.gpus)} GPU(s); publishing again")
                 await watch.stop()
                 loop.inventory(now)
+                if on_inventory is not None:
+                    on_inventory(now)
                 watch.start(now)
     finally:
         await watch.stop()
@@ -60,13 +64,18 @@ async def keep_published(config, api, node: str, inv, *, allow=None, taint: bool
 class _Health:
     """The monitor for the current GPU list, restarted when the list changes."""
 
-    def __init__(self, config, loop: publish.Loop, say):
-        self.config, self.loop, self.say = config, loop, say
+    def __init__(self, config, loop: publish.Loop, say, also=None):
+        self.config, self.loop, self.say, self.also = config, loop, say, also
         self.monitor = self.task = None
 
+    def publish(self, bad: dict) -> None:
+        self.loop.health(bad)
+        if self.also is not None:
+            self.also(dict(bad))
+
     def start(self, inv) -> None:
-        self.loop.health({})
-        self.monitor = health.monitor(self.config, inv, self.loop.health, self.say)
+        self.publish({})
+        self.monitor = health.monitor(self.config, inv, self.publish, self.say)
         if self.monitor is not None:
             self.task = asyncio.create_task(self.monitor.run())
 
