@@ -16,7 +16,7 @@ from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build
 from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.fakegpu.spec import gpu_uuid
-from tests.fixtures.kubeapi import FakeApiServer
+from tests.fixtures.kubeapi import fake_api, kube_client  # noqa: F401 (fixtures)
 from tests.fixtures.kubelet import inject_event, set_driver_state
 
 NODE = "node-a"
@@ -27,17 +27,13 @@ def inventory_of(machine):
 
 
 @pytest.fixture
-def server():
-    s = FakeApiServer()
-    yield s
-    s.stop()
+def server(fake_api):
+    return fake_api
 
 
 @pytest.fixture
-def api(server, tmp_path):
-    client = kubeapi.KubeApi(kubeapi.load_config(server.write_kubeconfig(str(tmp_path / "kubeconfig"))), timeout=1)
-    yield client
-    client.close()
+def api(kube_client):
+    return kube_client
 
 
 def names_on(server):
