@@ -39,7 +39,8 @@ def test_every_published_name_is_documented(fake_machine_factory):
         attributes |= a
         capacity |= c
     assert {"type", "profile", "parentUUID", "resource.kubernetes.io/pcieRoot"} <= attributes
-    assert capacity == {"memory", "memorySlice"}
+    assert capacity == {"memory", "memorySlice", "multiprocessors", "copyEngines", "decoders", "encoders",
+                        "jpegEngines", "ofaEngines"}
     guide, page = GUIDE.read_text(), PAGE.read_text()
     table = guide[guide.index("Attributes (domain"):guide.index("### Where we differ")]
     for name in attributes:

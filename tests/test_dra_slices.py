@@ -75,8 +75,9 @@ def test_eight_gpu_machine(fake_machine_factory):
 
 
 def test_mig_machine(fake_machine_factory):
-    # GPU 0 (A100 80GB) in MIG mode with 1g.10gb (GI profile 19, 1 slice, 10 GiB) at slice 0,
-    # 2g.20gb (14, 2 slices, 20 GiB) at 2, 1g.10gb at 4; GPU 1 (T4) whole.
+    # GPU 0 (A100 80GB) in MIG mode with 1g.10gb (GI profile 19, 1 slice, 10 GiB, 14 SMs, 1 copy
+    # engine) at slice 0, 2g.20gb (14, 2 slices, 20 GiB, 28 SMs, 2 copy engines, 1 decoder) at 2,
+    # 1g.10gb at 4; GPU 1 (T4) whole.
     spec = FakeSpec(gpus=2, mig=True, mig_devices=3, mig_profiles=("1g.10gb", "2g.20gb"))
     _, out = slices_of(fake_machine_factory(spec))
     devices = out[0]["spec"]["devices"]
@@ -91,9 +92,14 @@ def test_mig_machine(fake_machine_factory):
             "cudaComputeCapability": {"version": "8.0.0"}, "driverVersion": DRIVER_VERSION, "cudaDriverVersion": CUDA,
             "pcieBusID": s("0000:07:00.0"), "resource.kubernetes.io/pciBusID": s("0000:07:00.0"),
             "resource.kubernetes.io/pcieRoot": s("pci0000:00")},
-        "capacity": {"memory": {"value": "20Gi"}, "memorySlice2": {"value": "1"}, "memorySlice3": {"value": "1"}},
+        "capacity": {"multiprocessors": {"value": "28"}, "copyEngines": {"value": "2"}, "decoders": {"value": "1"},
+                     "encoders": {"value": "0"}, "jpegEngines": {"value": "0"}, "ofaEngines": {"value": "0"},
+                     "memory": {"value": "20Gi"}, "memorySlice2": {"value": "1"}, "memorySlice3": {"value": "1"}},
     }
-    assert devices[0]["capacity"] == {"memory": {"value": "10Gi"}, "memorySlice0": {"value": "1"}}
+    assert devices[0]["capacity"] == {
+        "multiprocessors": {"value": "14"}, "copyEngines": {"value": "1"}, "decoders": {"value": "0"},
+        "encoders": {"value": "0"}, "jpegEngines": {"value": "0"}, "ofaEngines": {"value": "0"},
+        "memory": {"value": "10Gi"}, "memorySlice0": {"value": "1"}}
     assert validate_slice(out[0], "v1") == ""
 
 
