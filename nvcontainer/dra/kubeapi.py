@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 
 from ..errors import NvcError, escape
@@ -34,6 +35,9 @@ BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 2.0
 RETRIED = frozenset({408, 429, 500, 502, 503, 504})
 SLICES_VERBS = {"list": "list", "create": "create", "update": "update", "delete": "delete"}
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 # What this module asks of the API server: (resource, verb). The RBAC test derives the
 # ClusterRole's rules from the calls below and checks them against this table and the manifest.
@@ -92,6 +96,8 @@ class KubeApi:
         """The ResourceClaim as the server serves it (``apiVersion`` says which version).
         NvcError when it does not exist (``category == "kubernetes"``, detail ends "not found")."""
         what = f"get resourceclaim {escape(namespace, 80)}/{escape(name, 80)}"
+        _named(what, namespace, _DNS_LABEL, "namespace")
+        _named(what, name, _DNS_SUBDOMAIN, "name")
         deadline = _deadline(deadline)
         for version in self._versions():
             claim, _ = _resources(version)
@@ -107,6 +113,7 @@ class KubeApi:
     def list_slices(self, node: str, driver: str = DRIVER, *, deadline: float | None = None) -> list[dict]:
         """Every ResourceSlice of ``driver`` on ``node`` (field selectors, then checked again)."""
         what = f"list resourceslices of node {escape(node, 80)}"
+        _named(what, node, _DNS_SUBDOMAIN, "node name")
         deadline = _deadline(deadline)
         selector = f"spec.nodeName={node},spec.driver={driver}"
         items: list[dict] = []
@@ -133,6 +140,7 @@ class KubeApi:
 
     def delete_slice(self, name: str, *, deadline: float | None = None) -> None:
         """Delete a slice; one that is already gone is not an error."""
+        _named(f"delete resourceslice {escape(name, 80)}", name, _DNS_SUBDOMAIN, "name")
         try:
             self._slices_call(f"delete resourceslice {escape(name, 80)}", _deadline(deadline), "delete", name=name)
         except NvcError as exc:
@@ -204,6 +212,13 @@ class KubeApi:
             if sleep > 0:
                 time.sleep(sleep)
             pause = min(pause * 2, BACKOFF_MAX)
+
+
+def _named(what: str, value, pattern, field: str) -> None:
+    """A name that goes into a request's path: what the API server accepts, or a line naming it
+    (a "/" or ".." would otherwise address another resource)."""
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        raise NvcError("input", f"{what}: the {field} is not a valid Kubernetes name")
 
 
 def _deadline(deadline: float | None) -> float:
