@@ -1,5 +1,5 @@
 """The API server, as the DRA driver needs it: one ResourceClaim read, this node's ResourceSlices
-written. Plain dicts in and out.
+written (owned by its Node). Plain dicts in and out.
 
 Why lightkube (a small, maintained client: httpx, its own models, no code generation at
 import): it reads a kubeconfig (``--kubeconfig``, ``$KUBECONFIG``) and the in-cluster service
@@ -41,7 +41,7 @@ _DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0
 
 # What this module asks of the API server: (resource, verb). The RBAC test derives the
 # ClusterRole's rules from the calls below and checks them against this table and the manifest.
-USED = frozenset({("resourceclaims", "get"), *(("resourceslices", v) for v in SLICES_VERBS.values())})
+USED = frozenset({("resourceclaims", "get"), ("nodes", "get"), *(("resourceslices", v) for v in SLICES_VERBS.values())})
 
 
 def _resources(version: str):
@@ -107,6 +107,18 @@ class KubeApi:
             self.version = version
             return self._checked(what, status, body)
         raise NvcError("kubernetes", f"{what}: {self.server} serves no {GROUP} version of {', '.join(VERSIONS)}")
+
+    # -- the node ----------------------------------------------------------------------------
+
+    def get_node(self, name: str, *, deadline: float | None = None) -> dict:
+        """The Node object (its ``metadata.uid`` owns the node's slices, so they are collected
+        when the node is deleted)."""
+        from lightkube.resources.core_v1 import Node
+
+        what = f"get node {escape(name, 80)}"
+        _named(what, name, _DNS_SUBDOMAIN, "node name")
+        status, body = self._call(what, _deadline(deadline), "get", Node, name=name)
+        return self._checked(what, status, body)
 
     # -- slices ----------------------------------------------------------------------------
 
