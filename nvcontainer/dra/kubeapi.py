@@ -34,14 +34,14 @@ DEFAULT_BUDGET = 30.0                           # a call, when the caller gives 
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 2.0
 RETRIED = frozenset({408, 429, 500, 502, 503, 504})
-SLICES_VERBS = {"list": "list", "create": "create", "update": "update", "delete": "delete"}
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 # What this module asks of the API server: (resource, verb). The RBAC test derives the
 # ClusterRole's rules from the calls below and checks them against this table and the manifest.
-USED = frozenset({("resourceclaims", "get"), ("nodes", "get"), *(("resourceslices", v) for v in SLICES_VERBS.values())})
+USED = frozenset({("resourceclaims", "get"), ("nodes", "get"), ("resourceslices", "list"),
+                  ("resourceslices", "create"), ("resourceslices", "update"), ("resourceslices", "delete")})
 
 
 def _resources(version: str):
@@ -73,14 +73,14 @@ class KubeApi:
     """``get_claim`` and the slice calls. Thread-safe (one httpx client); the served API
     version is found on first use and kept."""
 
-    def __init__(self, config, *, timeout: float = DEFAULT_TIMEOUT, user_agent: str = "nvcontainer-dra-driver"):
+    def __init__(self, config, *, timeout: float = DEFAULT_TIMEOUT, field_manager: str = "nvcontainer-dra-driver"):
         import httpx2
         from lightkube import Client
 
         self.timeout = timeout
         try:
             self._client = Client(config, timeout=httpx2.Timeout(timeout), trust_env=False,
-                                  field_manager=user_agent)
+                                  field_manager=field_manager)
         except Exception as exc:    # lightkube's configuration errors come in many types
             raise NvcError("kubernetes", f"client configuration: {_why(exc)}") from None
         self._generic = self._client._client       # lightkube's request builder (public methods)
