@@ -16,7 +16,7 @@ from nvcontainer.records import replace
 from tests.test_deviceplugin_core import MIXED, gpu, inventory
 
 A100, T4 = 81920, 15360
-TWO = inventory(replace(gpu(0), memory_mib=A100), replace(gpu(1), memory_mib=T4, arch="7.5"))
+TWO = inventory(replace(gpu(0), memory=A100 << 20), replace(gpu(1), memory=T4 << 20, arch="7.5"))
 
 
 def shares_of(inv=TWO, **kw):

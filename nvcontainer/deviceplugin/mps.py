@@ -123,8 +123,8 @@ def shares(resources: tuple[Resource, ...], settings: Settings) -> tuple[Share, 
                                          f"most {limit} clients")
             out[gpu.uuid] = Share(
                 resource=resource.name, uuid=gpu.uuid, index=gpu.index, replicas=settings.replicas,
-                threads=100 // settings.replicas, memory_mib=gpu.memory_mib // settings.replicas,
-                total_mib=gpu.memory_mib, directory=f"{settings.mps_root}/{resource.name}/{gpu.uuid}")
+                threads=100 // settings.replicas, memory_mib=(gpu.memory >> 20) // settings.replicas,
+                total_mib=gpu.memory >> 20, directory=f"{settings.mps_root}/{resource.name}/{gpu.uuid}")
     return tuple(out.values())
 
 

@@ -39,6 +39,22 @@ class MigDevice:
     gi_cap: DeviceNode | None = None   # /dev/nvidia-caps/nvidia-capN behind gi_access
     ci_cap: DeviceNode | None = None
     name: str = ""       # as NVML names it: "<GPU model> MIG <profile>" (the device plugin's resource)
+    memory: int = 0      # bytes of its GPU instance (nvmlDeviceGetMemoryInfo); 0: not known
+    profile_id: int = -1           # GPU instance profile id (nvmlGpuInstanceGetInfo); -1: not known
+    placement_start: int = -1      # first memory slice of its GPU instance; -1: not known
+    placement_size: int = 0        # memory slices it spans
+    # its engines (nvmlDeviceGetAttributes on the MIG device); -1: not known
+    multiprocessors: int = -1
+    copy_engines: int = -1
+    decoders: int = -1
+    encoders: int = -1
+    jpeg_engines: int = -1
+    ofa_engines: int = -1
+
+    @property
+    def profile(self) -> str:
+        """The profile as nvidia-smi and NVML's name write it: ``1g.10gb``, ``1g.10gb+me``."""
+        return self.name.rpartition(" MIG ")[2] if " MIG " in self.name else ""
 
 
 @record
@@ -54,7 +70,7 @@ class Gpu:
     mig_enabled: bool = False
     migs: tuple[MigDevice, ...] = ()
     dri: tuple[DeviceNode, ...] = ()   # /dev/dri/card*, renderD* of its PCI device (graphics, display)
-    memory_mib: int = 0                # total memory as NVML reports it, MiB; 0: unknown
+    memory: int = 0      # bytes of framebuffer memory (nvmlDeviceGetMemoryInfo total); 0: not known
 
     @property
     def node(self) -> DeviceNode:
