@@ -28,7 +28,7 @@ def test_generated_modules_match_the_proto(tmp_path):
     assert res.returncode == 0, res.stderr
     for name in GENERATED:
         assert (tmp_path / PROTO.parent / name).read_bytes() == (ROOT / PROTO.parent / name).read_bytes(), \
-            f"{name} is stale: regenerate it (docs/commands.md, 'nvcontainer device-plugin')"
+            f"{name} is stale: regenerate it (README, 'Device plugin')"
 
 
 # Transcribed from the published definition, independently of api.proto: message -> field -> number.

@@ -15,7 +15,7 @@ import click
 
 from .. import __version__, log
 from ..errors import NvcError, escape
-from . import argp, cdi, config, configure, deviceplugin, doctor, info, serve, setup, volume
+from . import cdi, config, configure, deviceplugin, doctor, info, serve, setup, volume
 from .context import PROG, Context
 from .list import list_
 
@@ -54,8 +54,10 @@ for command in (info.info, list_, configure.configure, cdi.cdi, doctor.doctor, s
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     try:
-        args = sys.argv[1:] if argv is None else argv
-        cli.main(args=argp.attached_only(cli, args), prog_name=prog, standalone_mode=False)
+        from .argp import attached_only   # argp's optional arguments: a value only when attached
+
+        args = attached_only(cli, sys.argv[1:] if argv is None else argv)
+        cli.main(args=args, prog_name=prog, standalone_mode=False)
     except NvcError as exc:
         return log.fail(exc, prog)
     except click.exceptions.Abort:
