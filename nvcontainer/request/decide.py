@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping   # not typing: its import costs a
 
 from ..config.values import CAPABILITIES
 from ..errors import NvcError, escape
+from .visible import MAX_VALUE, VISIBLE_DEVICES, from_env, legacy_image, read, split as _split
 from ..records import record
 from . import require
-from .visible import MAX_VALUE, VISIBLE_DEVICES, from_env, legacy_image, read, split as _split
 
 TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
