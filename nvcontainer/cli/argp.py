@@ -43,11 +43,11 @@ def attached_only(command: click.Command, args: list[str]) -> list[str]:
     ``--long=``, so that the next word stays a word (argp's ``ARGP_IN_ORDER`` reading).
     Anything it does not recognise is passed on unchanged, for click to judge."""
     out: list[str] = []
+    options = _names(command)
     i = 0
     while i < len(args):
         arg = args[i]
         i += 1
-        options = _names(command)
         if arg == "--":
             out += args[i - 1:]
             break
@@ -75,7 +75,7 @@ def attached_only(command: click.Command, args: list[str]) -> list[str]:
             if sub is None:
                 out += args[i:]
                 break
-            command = sub
+            command, options = sub, _names(sub)
     return out
 
 
