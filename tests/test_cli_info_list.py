@@ -272,9 +272,22 @@ def test_debug_log_is_glog_style_and_quiet_otherwise(fake_machine, tmp_path):
 
 
 def test_user_option_loads_nvml_as_that_user(fake_machine):
-    assert ok(fake_machine, "--user", "0:0", "info") == ok(fake_machine, "info")
-    assert fails(fake_machine, "--user", "nosuchuser", "info") == (
+    assert ok(fake_machine, "--user=0:0", "info") == ok(fake_machine, "info")
+    assert ok(fake_machine, "-u0:0", "info") == ok(fake_machine, "info")
+    assert fails(fake_machine, "--user=nosuchuser", "info") == (
         "nvcontainer: input error: invalid user: nosuchuser: unknown user")
+    assert fails(fake_machine, "-unosuchuser", "info") == (
+        "nvcontainer: input error: invalid user: nosuchuser: unknown user")
+
+
+@pytest.mark.parametrize("words", [("--user",), ("-u",), ("-nu",), ("-u", "-n"), ("--user", "--no-pivot")])
+def test_user_takes_a_value_only_when_attached(fake_machine, words):
+    """argp's optional argument (REFERENCE §1.1 ``-u, --user[=UID[:GID]]``): a separate word
+    after a bare ``--user`` is the command, as with NVIDIA's cli, not the user."""
+    assert ok(fake_machine, *words, "info") == ok(fake_machine, "info")
+    assert ok(fake_machine, *words, "list") == ok(fake_machine, "list")
+    # the word after a bare --user is the command word, and an unknown one is a usage error
+    assert fails(fake_machine, *words, "0:0", "info").startswith("nvcontainer: input error: No such command")
 
 
 def test_version_and_help():

@@ -128,8 +128,10 @@ def test_with_overrides():
     assert base.with_overrides(ldcache="/c", user="nobody").ldcache == "/c"
     with pytest.raises(NvcError, match="--root: expected an absolute path"):
         base.with_overrides(root="rel")
+    # a bare --user (argp's optional argument left out) is the caller's identity, not an error
+    assert base.with_overrides(user="").user == ""
     with pytest.raises(NvcError, match="--user"):
-        base.with_overrides(user="")
+        base.with_overrides(user="a b")
 
 
 def test_load_explicit_file(tmp_path):

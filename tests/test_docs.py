@@ -25,6 +25,7 @@ from nvcontainer.config import toolkit
 from nvcontainer.config.model import Config
 from nvcontainer.hook import prestart as hook
 from nvcontainer.request import decide as request
+from nvcontainer.request import visible
 from nvcontainer.inventory import catalog
 from nvcontainer.plan import model
 
@@ -199,10 +200,12 @@ def test_capability_table_names_every_library_binary_and_mount_class():
 
 
 def test_every_environment_variable_is_in_the_hook_page():
-    source = Path(request.__file__).read_text()
-    names = {v for k, v in vars(request).items() if k.isupper() and isinstance(v, str) and v.startswith("NVIDIA_")}
+    modules = (request, visible)   # visible: the one reading of NVIDIA_VISIBLE_DEVICES the hook uses
+    source = "".join(Path(m.__file__).read_text() for m in modules)
+    names = {v for m in modules for k, v in vars(m).items()
+             if k.isupper() and isinstance(v, str) and v.startswith("NVIDIA_")}
     names |= set(re.findall(r"[\"'](NVIDIA_[A-Z_]+|CUDA_[A-Z_]+)[\"']", source))
-    assert {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DISABLE_REQUIRE", "CUDA_VERSION"} <= names
+    assert {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DISABLE_REQUIRE", "CUDA_VERSION", "NVIDIA_REQUIRE_CUDA"} <= names
     text = HOOK_PAGE.read_text()
     for name in sorted(names):
         assert name in text, f"{name} is not documented in man/nvcontainer-hook.1"
@@ -217,3 +220,52 @@ def test_page_renders_without_warnings(page):
                             stderr=subprocess.PIPE, text=True, env=env, timeout=60)
     assert result.returncode == 0
     assert result.stderr == ""
+
+
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def test_the_readme_is_a_front_door():
+    """Short enough to read (issue 27: at most 250 lines), with the two set-up commands exactly
+    as CI runs them, an install section, one example per engine, and the way to the rest."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250
+    assert "```sh\nscripts/install && scripts/demo\n.venv/bin/python -m pytest\n```" in text
+    headings = re.findall(r"^#{2,3} (.+)$", text, re.M)
+    assert headings.count("Install on a node") == 1
+    for heading in ("Docker", "podman", "containerd and CRI-O", "Kubernetes", "Dependencies", "Documentation"):
+        assert heading in headings, heading
+    for example in ("docker run --rm --runtime=nvidia", "podman run --rm", "ctr run --rm",
+                    "kubectl apply -k deploy/kubernetes/", "docs/engines/kubernetes.md"):
+        assert example in text, example
+    assert "docs/README.md" in text
+
+
+def test_every_page_the_readme_names_exists():
+    text = README.read_text()
+    for path in sorted(set(re.findall(r"`((?:docs|man|hooks|fuzz)/[\w./-]+)`", text))):
+        if not path.endswith("/"):
+            assert (ROOT / path).exists(), f"README names {path}, which does not exist"
+
+
+def test_the_docs_index_lists_every_page():
+    index = (DOCS / "README.md").read_text()
+    listed = set(re.findall(r"\]\(([\w./-]+\.md)\)", index))
+    pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")} - {"README.md"}
+    assert pages <= listed, f"not in docs/README.md: {sorted(pages - listed)}"
+
+
+def test_every_dependency_has_its_reason():
+    """Each runtime and test dependency of pyproject.toml is named, with why, in the README's
+    list and in docs/dependencies.md."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"], *project["optional-dependencies"]["test"]]
+    names = {re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in requirements}
+    readme = README.read_text().split("## Dependencies", 1)[1]
+    full = (DOCS / "dependencies.md").read_text()
+    for name in sorted(names):
+        assert name in readme, f"{name} is not in the README's Dependencies"
+        assert name in full, f"{name} is not in docs/dependencies.md"

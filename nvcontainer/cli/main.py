@@ -25,7 +25,7 @@ from .list import list_
 @click.option("-l", "--ldcache", metavar="FILE", help="The ld cache, relative to --root. [default: /etc/ld.so.cache]")
 @click.option("-d", "--debug", metavar="FILE", help="Append a full trace to FILE (quiet otherwise).")
 @click.option("-u", "--user", is_flag=False, flag_value="", default=None, metavar="UID[:GID]",
-              help="Identity that loads NVML; without a value, the caller's. Default: the kernel's overflow ids.")
+              help="Identity that loads NVML; without a value (attached only: --user=UID, -uUID, as argp reads it), the caller's. Default: the kernel's overflow ids.")
 @click.option("--config", "config_path", metavar="FILE", help="Configuration file. [default: /etc/nvcontainer/config.toml if present]")
 @click.option("-k", "--load-kmods", is_flag=True, hidden=True, help="Accepted for nvidia-container-cli compatibility; modules are not loaded.")
 @click.option("-n", "--no-pivot", is_flag=True, hidden=True, help="Accepted for nvidia-container-cli compatibility; the ldconfig sandbox needs no pivot choice.")
@@ -54,7 +54,10 @@ for command in (info.info, list_, configure.configure, cdi.cdi, doctor.doctor, s
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     try:
-        cli.main(args=argv, prog_name=prog, standalone_mode=False)
+        from .argp import attached_only   # argp's optional arguments: a value only when attached
+
+        args = attached_only(cli, sys.argv[1:] if argv is None else argv)
+        cli.main(args=args, prog_name=prog, standalone_mode=False)
     except NvcError as exc:
         return log.fail(exc, prog)
     except click.exceptions.Abort:

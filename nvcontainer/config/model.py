@@ -70,8 +70,8 @@ class Config:
             changes["ldcache"] = absolute(ldcache, "--ldcache")
         if debug is not None:
             changes["debug"] = path(debug, "--debug")
-        if user is not None:
-            changes["user"] = user_value(user, "--user")
+        if user is not None:   # "": --user given without a value, the caller's own ids
+            changes["user"] = user_value(user, "--user") if user else ""
         if not changes:
             return self
         origins = dict(self.origins) | {name: f"--{name}" for name in changes}

@@ -9,7 +9,8 @@ into the response is built from the table's own values only.
 The response tells the runtime which GPUs the container has, in the ways NVIDIA's plugin does
 (``device-list-strategy``; several may be combined):
 
-* ``envvar``: ``NVIDIA_VISIBLE_DEVICES=<ids>``, for a runtime that runs the hook;
+* ``envvar``: ``NVIDIA_VISIBLE_DEVICES=<ids>``, for a runtime that runs the hook (written by
+  ``request.visible``, the reading the hook and the runtime shim share);
 * ``volume-mounts``: ``/dev/null`` mounted at ``/var/run/nvidia-container-devices/<id>`` and
   ``NVIDIA_VISIBLE_DEVICES`` pointing there, which an image cannot forge (the hook needs
   ``accept-nvidia-visible-devices-as-volume-mounts = true``);
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from ..errors import escape
 from ..records import record
+from ..request import visible
 from ..request.decide import DEVICES_ROOT, VISIBLE_DEVICES
 from . import mps
 from .devices import Advertised, Resource
@@ -110,7 +112,10 @@ def allocate(ids, resource: Resource, unhealthy: frozenset[str], settings: Setti
     annotations: dict[str, str] = {}
     cdi: list[str] = []
     if "envvar" in strategies:
-        envs[VISIBLE_DEVICES] = ",".join(tokens)
+        try:   # a value the hook and the shim read back as exactly these ids
+            envs[VISIBLE_DEVICES] = visible.value(tokens)
+        except ValueError as exc:
+            raise Refused("invalid", str(exc)) from None
     if "volume-mounts" in strategies:
         envs[VISIBLE_DEVICES] = DEVICES_ROOT
         mounts = [MountSpec(f"{DEVICES_ROOT}/{t}", DEV_NULL) for t in tokens]

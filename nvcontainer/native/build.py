@@ -91,6 +91,22 @@ def build_fronts(bin_dir: str, python: str = "", cc: str | None = None) -> str:
     return linked
 
 
+def build_installed(bin_dir: str, python: str = "", cc: str | None = None) -> dict[str, str]:
+    """The native programs a wheel installs beside the fronts, each built with ``python``
+    embedded (empty: python3 beside the program, found when it runs): the runtime shim's front
+    as each of :data:`RUNTIME_NAMES` and the served hook client. {name: how it was linked};
+    :class:`NvcError` when one cannot be built (no compiler, or it failed)."""
+    first = os.path.join(bin_dir, RUNTIME_NAMES[0])
+    linked = {RUNTIME_NAMES[0]: build_runtime(first, python, cc=cc)}
+    with open(first, "rb") as f:
+        program = f.read()
+    for name in RUNTIME_NAMES[1:]:
+        _install(program, os.path.join(bin_dir, name))
+        linked[name] = linked[RUNTIME_NAMES[0]]
+    linked[NAME] = build(os.path.join(bin_dir, NAME), python, cc)
+    return linked
+
+
 def _install(program: bytes, dest: str) -> None:
     """``program`` at ``dest``, mode 0755, replacing what was there in one rename (a runtime
     that executes it meanwhile sees the old file or the new one, never half of one)."""

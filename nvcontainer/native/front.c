@@ -32,10 +32,6 @@
 #include "nvc_config.h"
 #include "nvc_common.h"
 
-#ifndef NVC_PYTHON
-#define NVC_PYTHON ""
-#endif
-
 static const struct {
     const char *name;
     const char *code;
@@ -59,22 +55,6 @@ static const char *base(const char *path)
     return slash ? slash + 1 : path;
 }
 
-/* python3 in the directory this program's file is in (/proc/self/exe: links resolved). */
-static int beside_me(char *out, size_t size)
-{
-    char self[PATH_MAX];
-    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (n <= 0)
-        return -1;
-    self[n] = '\0';
-    char *slash = strrchr(self, '/');
-    if (!slash)
-        return -1;
-    *slash = '\0';
-    int len = snprintf(out, size, "%s/python3", self);
-    return len > 0 && (size_t)len < size ? 0 : -1;
-}
-
 int main(int argc, char **argv)
 {
     const char *name = argc > 0 && argv[0] ? base(argv[0]) : "";
@@ -96,10 +76,9 @@ int main(int argc, char **argv)
                 return status;
         }
     }
-    char python[PATH_MAX];
-    if (*NVC_PYTHON) {
-        snprintf(python, sizeof python, "%s", NVC_PYTHON);
-    } else if (beside_me(python, sizeof python) < 0) {
+    char buf[PATH_MAX];
+    const char *python = nvc_python(buf, sizeof buf);
+    if (!python) {
         fprintf(stderr, "%s: error: cannot find the interpreter beside this program: %s\n", name,
                 strerror(errno ? errno : ENOENT));
         return 1;
@@ -109,7 +88,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "%s: error: out of memory\n", name);
         return 1;
     }
-    args[0] = python;
+    args[0] = (char *)python;
     args[1] = "-I";
     args[2] = "-c";
     args[3] = (char *)code;

@@ -10,7 +10,8 @@
  * hookclient.py is the specification and tests hold the two to the same bytes and behaviour.
  *
  * `nvcontainer setup --serve` builds it (nvcontainer/nativeclient.py), writing nvc_config.h:
- * NVC_PYTHON, the interpreter of the install, and NVC_VALUED, hookclient.OPTIONS's options
+ * NVC_PYTHON, the interpreter of the install ("": python3 beside this program, as a wheel
+ * builds it), and NVC_VALUED, hookclient.OPTIONS's options
  * that take a value, so the --socket scan reads the same table as the hook's parser.
  *
  * A container that asks for no GPU is answered here, with neither server nor interpreter: a
@@ -22,6 +23,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -223,13 +225,19 @@ int main(int argc, char **argv)
         dprintf(2, "%s: error: out of memory\n", PROG);
         return 1;
     }
-    args[0] = (char *)NVC_PYTHON;
+    char buf[PATH_MAX];
+    const char *python = nvc_python(buf, sizeof buf);
+    if (!python) {
+        dprintf(2, "%s: error: cannot find python3 beside this program\n", PROG);
+        return 1;
+    }
+    args[0] = (char *)python;
     args[1] = "-I";
     args[2] = "-m";
     args[3] = "nvcontainer.hook";
     for (int i = 1; i < argc; i++)
         args[i + 3] = argv[i];
-    execve(NVC_PYTHON, args, env);
-    dprintf(2, "%s: error: cannot run %s: %s\n", PROG, NVC_PYTHON, strerror(errno));
+    execve(python, args, env);
+    dprintf(2, "%s: error: cannot run %s: %s\n", PROG, python, strerror(errno));
     return 1;
 }

@@ -20,6 +20,9 @@
 #include <unistd.h>
 
 #define SAFE_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#ifndef NVC_PYTHON
+#define NVC_PYTHON ""
+#endif
 #define DEFAULT_CONFIG "/etc/nvcontainer/config.toml"
 #define TOOLKIT_CONFIG "/etc/nvidia-container-runtime/config.toml"
 #define CONFIG_CAP (1 << 20)
@@ -35,6 +38,27 @@ struct settings {
     int readable;            /* 0: the file could not be read as prepare.py would */
     struct list runtimes, swarm, prefixes;
 };
+
+/* The install's interpreter: NVC_PYTHON when the build embeds one (set-up, the package), else
+ * python3 in the directory of this program's own file (/proc/self/exe, links resolved), written
+ * to buf: a wheel's programs are built before anyone knows which environment installs them, and
+ * land in its bin/ beside its python3. NULL when that path cannot be had. */
+static inline const char *nvc_python(char *buf, size_t size)
+{
+    if (*NVC_PYTHON)
+        return NVC_PYTHON;
+    char self[4096];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0)
+        return NULL;
+    self[n] = '\0';
+    char *slash = strrchr(self, '/');
+    if (!slash)
+        return NULL;
+    *slash = '\0';
+    int len = snprintf(buf, size, "%s/python3", self);
+    return len > 0 && (size_t)len < size ? buf : NULL;
+}
 
 /* ---- reading ------------------------------------------------------------------------------ */
 

@@ -25,7 +25,7 @@
  * forms are understood: any other spelling of them makes the answer "ask Python".
  *
  * nvcontainer/native/build.py builds it, writing nvc_config.h: NVC_PYTHON, the interpreter of
- * the install, and NVC_CONFIG, a configuration file to read instead of the default ones ("").
+ * the install ("": python3 beside this program, as a wheel builds it), and NVC_CONFIG, a configuration file to read instead of the default ones ("").
  * With NVC_SCAN_TEST defined, main() is a test driver for the scanners (tests/test_runtime_front.py).
  */
 #define _GNU_SOURCE
@@ -188,6 +188,12 @@ __attribute__((unused)) static int ask_python(int argc, char **argv)
         say("working directory", strerror(errno));
         return 1;
     }
+    char buf[PATH_MAX];
+    const char *python = nvc_python(buf, sizeof buf);
+    if (!python) {
+        say("interpreter", "cannot find python3 beside this program");
+        return 1;
+    }
     int reply[2];
     if (pipe2(reply, O_CLOEXEC) < 0) {
         say("pipe", strerror(errno));
@@ -215,7 +221,7 @@ __attribute__((unused)) static int ask_python(int argc, char **argv)
         if (!args)
             _exit(1);
         int n = 0;
-        args[n++] = (char *)NVC_PYTHON;
+        args[n++] = (char *)python;
         args[n++] = "-I";
         args[n++] = "-m";
         args[n++] = "nvcontainer.runtime";
@@ -233,8 +239,8 @@ __attribute__((unused)) static int ask_python(int argc, char **argv)
         for (int i = 1; i < argc; i++)
             args[n++] = argv[i];
         char *env[] = {"PATH=" SAFE_PATH, NULL};
-        execve(NVC_PYTHON, args, env);
-        dprintf(2, "%s: runtime error: cannot run %s: %s\n", prog, NVC_PYTHON, strerror(errno));
+        execve(python, args, env);
+        dprintf(2, "%s: runtime error: cannot run %s: %s\n", prog, python, strerror(errno));
         _exit(1);
     }
     close(reply[1]);

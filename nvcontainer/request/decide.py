@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping   # not typing: its import costs a
 
 from ..config.values import CAPABILITIES
 from ..errors import NvcError, escape
+from .visible import MAX_VALUE, VISIBLE_DEVICES, from_env, legacy_image, read, split as _split
 from ..records import record
 from . import require
 
@@ -26,12 +27,10 @@ if TYPE_CHECKING:
 
 DEFAULT_CAPABILITIES = ("compute", "utility")
 
-MAX_VALUE = 64 * 1024
 MAX_IDS = 1024
 IMEX_CHANNEL_LIMIT = 1 << 20
 DEVICES_ROOT = "/var/run/nvidia-container-devices"
 
-VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 DRIVER_CAPABILITIES = "NVIDIA_DRIVER_CAPABILITIES"
 REQUIRE_PREFIX = "NVIDIA_REQUIRE_"
 JETPACK_PREFIX = "NVIDIA_REQUIRE_JETPACK"   # a Tegra CSV switch, not a requirement
@@ -102,10 +101,6 @@ def device_kind(token: str) -> str | None:
     return None
 
 
-def _split(value: str) -> list[str]:
-    return [t.strip() for t in value.split(",") if t.strip()]
-
-
 def _fold(tokens: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(tokens))
 
@@ -141,18 +136,6 @@ def _mig(value: str | None, which: str) -> str | None:
     if value.strip() != "all":
         raise NvcError(which, f"only 'all' devices are currently supported, got '{escape(value, 80)}'")
     return "all"
-
-
-def _decide(tokens: list[str]) -> str | list[str] | None:
-    """Upstream's reading of a device list: None (not a GPU container), "all", "none" or ids."""
-    if not tokens or "void" in tokens:
-        return None
-    for token in tokens:   # the hook compares exactly: the first "all" or "none" decides
-        if token in ("all", "none"):
-            return token
-    if any(token.lower() == "all" for token in tokens):
-        return "all"   # the hook passes "ALL" on and nvidia-container-cli compares it without case
-    return tokens
 
 
 class _Env:
@@ -194,23 +177,6 @@ def _mount_requests(mounts: Iterable["Mount"]) -> tuple[list[str], list[str]]:
         else:
             devices.append(name)
     return devices, imex
-
-
-def _env_devices(env: _Env, config: "Config", legacy: bool) -> tuple[list[str], str]:
-    """The device tokens the environment asks for, and the variable names they came from.
-
-    A swarm resource variable that is set but names nothing (empty, or only commas and blanks)
-    counts as unset: upstream lets it replace NVIDIA_VISIBLE_DEVICES and so takes the GPUs away
-    from a container that asked for ``all``."""
-    names = [n for n in config.swarm_resource if _split(env.get(n) or "")] or [VISIBLE_DEVICES]
-    tokens: list[str] = []
-    for name in names:
-        value = env.get(name)
-        if value is not None:
-            tokens += _split(value)
-    if legacy and not any(n in env for n in names):
-        tokens = ["all"]   # a CUDA image from before NVIDIA_VISIBLE_DEVICES existed
-    return tokens, ",".join(names)
 
 
 def _capabilities(env: _Env, config: "Config", legacy: bool) -> tuple[str, ...]:
@@ -282,17 +248,17 @@ def request_from_env(environ: Mapping[str, str], config: "Config", *, privileged
     env = _Env(environ)
     volume = _wants_driver_volume(annotations or {})
     warnings: list[str] = []
-    legacy = bool(environ.get("CUDA_VERSION")) and not environ.get("NVIDIA_REQUIRE_CUDA")
+    legacy = legacy_image(environ)
     unprivileged_refused = not privileged and not config.accept_envvar_unprivileged
     policy = "accept-nvidia-visible-devices-envvar-when-unprivileged = false"
 
     mount_devices, mount_imex = _mount_requests(mounts) if config.accept_volume_mounts else ([], [])
     if mount_devices:
-        tokens, source, from_env = mount_devices, "volume mounts", False
+        decision, source, env_asked = read(mount_devices), "volume mounts", False
     else:
-        (tokens, source), from_env = _env_devices(env, config, legacy), True
-    decision = _decide(tokens)
-    if decision is not None and from_env and unprivileged_refused:
+        visible = from_env(environ, config.swarm_resource)
+        decision, source, env_asked = visible.devices, visible.source, True
+    if decision is not None and env_asked and unprivileged_refused:
         warnings.append(f"ignoring {source} of an unprivileged container ({policy})")
         decision = None
     if volume and unprivileged_refused:
@@ -316,11 +282,11 @@ def request_from_env(environ: Mapping[str, str], config: "Config", *, privileged
         imex = _imex_ids(mount_imex, "volume mounts")
     else:
         imex_value = env.get(IMEX_CHANNELS)
-        imex_decision = _decide(_split(imex_value or ""))
+        imex_decision = read(_split(imex_value or ""))
         imex = ()
         if imex_decision == "all":
             warnings.append(f"ignoring {IMEX_CHANNELS}=all: name the channels")
-        elif isinstance(imex_decision, list):
+        elif isinstance(imex_decision, tuple):
             if unprivileged_refused:
                 warnings.append(f"ignoring {IMEX_CHANNELS} of an unprivileged container ({policy})")
             else:

@@ -4,8 +4,9 @@ Three places can carry them, read in upstream's order, the first that has any wi
 annotations with a configured prefix (``cdi.k8s.io/<anything>: nvidia.com/gpu=0,...``, set by
 the device plugin through the CRI), ``/dev/null`` volume mounts under
 ``/var/run/nvidia-container-devices/cdi/`` (with ``accept-nvidia-visible-devices-as-volume-mounts``),
-and ``NVIDIA_VISIBLE_DEVICES`` (or the swarm variables), under the same unprivileged policy as
-the hook. Pure: plain data in, names out. In ``cdi`` mode an unqualified id from the
+and ``NVIDIA_VISIBLE_DEVICES`` (or the swarm variables), read as the hook reads it
+(:mod:`..request.visible`: ``ALL`` is ``all``, ``void`` and ``none`` ask for no CDI device) and
+under the same unprivileged policy. Pure: plain data in, names out. In ``cdi`` mode an unqualified id from the
 environment is a device of ``default-kind`` (``0`` is ``nvidia.com/gpu=0``); in ``auto`` mode
 only an environment of nothing but CDI names asks for CDI devices, anything else is the hook's
 (:mod:`..request.decide`).
@@ -19,7 +20,8 @@ import re
 from ..config.model import Config
 from ..errors import NvcError, escape
 from ..records import record
-from ..request.decide import DEVICES_ROOT, MAX_IDS, MAX_VALUE, VISIBLE_DEVICES
+from ..request import visible
+from ..request.decide import DEVICES_ROOT, MAX_IDS, MAX_VALUE
 from ..request.oci import Spec
 
 _NAME = re.compile(r"[A-Za-z](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?/[A-Za-z](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?"
@@ -35,10 +37,6 @@ class Asked:
 
 def qualified(name: str) -> bool:
     return _NAME.fullmatch(name) is not None
-
-
-def _split(value: str) -> list[str]:
-    return [t.strip() for t in value.split(",") if t.strip()]
 
 
 def _checked(names: list[str], source: str) -> tuple[str, ...]:
@@ -57,7 +55,7 @@ def _from_annotations(spec: Spec, config: Config) -> Asked | None:
         if any(key.startswith(p) for p in config.cdi_annotation_prefixes):
             if len(value) > MAX_VALUE:
                 raise NvcError("cdi", f"annotation {escape(key, 80)}: value longer than {MAX_VALUE} characters")
-            names += _split(value)
+            names += visible.split(value)
             keys.append(key)
     if not keys:
         return None
@@ -82,21 +80,14 @@ def _from_mounts(spec: Spec, config: Config) -> Asked | None:
 
 
 def _from_env(spec: Spec, config: Config, mode: str) -> Asked | None:
-    env = spec.environ()
-    # a swarm variable set but naming nothing counts as unset, as in the hook (request.decide)
-    names = [n for n in config.swarm_resource if _split(env.get(n) or "")] or [VISIBLE_DEVICES]
-    value = ",".join(env[n] for n in names if n in env)
-    if len(value) > MAX_VALUE:
-        raise NvcError("cdi", f"{names[0]}: value longer than {MAX_VALUE} characters")
-    tokens = _split(value)
-    legacy = bool(env.get("CUDA_VERSION")) and not env.get("NVIDIA_REQUIRE_CUDA")
-    if legacy and not any(n in env for n in names):
-        tokens = ["all"]   # a CUDA image from before NVIDIA_VISIBLE_DEVICES: all, as the hook reads it
-    if not tokens or "void" in tokens or "none" in tokens:
+    # the hook's reading (request.visible): ALL is all, void or none is no CDI device
+    asked_for = visible.from_env(spec.environ(), config.swarm_resource)
+    if asked_for.devices in (None, visible.NONE):
         return None
+    tokens = [visible.ALL] if asked_for.devices == visible.ALL else list(asked_for.devices)
     if mode == "auto" and not all(qualified(t) for t in tokens):
         return None
-    source = ",".join(names)
+    source = asked_for.source
     if not spec.privileged and not config.accept_envvar_unprivileged:
         return Asked((), source, (f"ignoring {source} of an unprivileged container "
                                   "(accept-nvidia-visible-devices-envvar-when-unprivileged = false)",))
