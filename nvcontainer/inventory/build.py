@@ -153,6 +153,7 @@ def _gpu(g: dict, root: str, proc: str, caps_major: int | None) -> Gpu:
             gi_cap=devices.cap_node(root, caps_major, procfs.cap_minor(proc, gi_access)),
             ci_cap=devices.cap_node(root, caps_major, procfs.cap_minor(proc, ci_access)),
             name=m["name"],
+            attributes=tuple((k, v) for k, v in m.get("attributes", ())),
         ))
     bus_id = f"{domain:08x}:{bus:02x}:{device:02x}.0"
     return Gpu(
@@ -167,4 +168,5 @@ def _gpu(g: dict, root: str, proc: str, caps_major: int | None) -> Gpu:
         mig_enabled=g["mig_enabled"],
         migs=tuple(migs),
         dri=graphics.dri_nodes(root, bus_id),
+        memory_mib=g.get("memory_mib", 0),
     )

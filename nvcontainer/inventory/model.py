@@ -39,6 +39,9 @@ class MigDevice:
     gi_cap: DeviceNode | None = None   # /dev/nvidia-caps/nvidia-capN behind gi_access
     ci_cap: DeviceNode | None = None
     name: str = ""       # as NVML names it: "<GPU model> MIG <profile>" (the device plugin's resource)
+    # NVML's nvmlDeviceGetAttributes, by field: memory_mb, multiprocessors, slices_gi, slices_ci,
+    # copy_engines, decoders, encoders, jpegs, ofas (node labels); empty where NVML gave none
+    attributes: tuple[tuple[str, int], ...] = ()
 
 
 @record
@@ -54,6 +57,7 @@ class Gpu:
     mig_enabled: bool = False
     migs: tuple[MigDevice, ...] = ()
     dri: tuple[DeviceNode, ...] = ()   # /dev/dri/card*, renderD* of its PCI device (graphics, display)
+    memory_mib: int = 0                # total memory as NVML reports it, in MiB; 0: NVML gave none
 
     @property
     def node(self) -> DeviceNode:

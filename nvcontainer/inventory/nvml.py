@@ -161,6 +161,7 @@ def _collect(nv) -> dict:
             pass
         if gpu["mig_enabled"]:
             gpu["migs"] = _migs(nv, h)
+        gpu["memory_mib"] = _memory_mib(nv, h)
         try:   # for doctor: persistence set with nvidia-smi -pm 1 serves as well as the daemon
             gpu["persistence"] = nv.nvmlDeviceGetPersistenceMode(h) == nv.NVML_FEATURE_ENABLED
         except nv.NVMLError:
@@ -186,8 +187,33 @@ def _migs(nv, h) -> list[dict]:
             "name": _text(nv.nvmlDeviceGetName(m)),
             "gi": nv.nvmlDeviceGetGpuInstanceId(m),
             "ci": nv.nvmlDeviceGetComputeInstanceId(m),
+            "attributes": _attributes(nv, m),
         })
     return migs
+
+
+def _memory_mib(nv, h) -> int:
+    """Total memory in MiB (node labels); 0 where NVML will not say."""
+    try:
+        return int(nv.nvmlDeviceGetMemoryInfo(h).total) >> 20
+    except nv.NVMLError:
+        return 0
+
+
+# nvmlDeviceAttributes_t's fields, as the inventory names them
+_ATTRIBUTES = (("memory_mb", "memorySizeMB"), ("multiprocessors", "multiprocessorCount"),
+               ("slices_gi", "gpuInstanceSliceCount"), ("slices_ci", "computeInstanceSliceCount"),
+               ("copy_engines", "sharedCopyEngineCount"), ("decoders", "sharedDecoderCount"),
+               ("encoders", "sharedEncoderCount"), ("jpegs", "sharedJpegCount"), ("ofas", "sharedOfaCount"))
+
+
+def _attributes(nv, m) -> list[list]:
+    """A MIG device's size and shared engines (node labels); empty where NVML will not say."""
+    try:
+        attrs = nv.nvmlDeviceGetAttributes(m)
+    except nv.NVMLError:
+        return []
+    return [[name, int(getattr(attrs, field))] for name, field in _ATTRIBUTES]
 
 
 def _text(value) -> str:

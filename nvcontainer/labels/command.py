@@ -1,0 +1,122 @@
+"""``nvcontainer labels``: the node's labels printed once, or kept in NFD's feature file.
+
+Why it keeps running rather than failing: as a DaemonSet container it is the only thing that
+tells the scheduler what a node's GPUs are, and every fault it meets is one the node recovers
+from (a driver being upgraded, NFD's directory not there yet, a full disk). So a round that
+fails says so in one line on stderr (once, until it changes, and once more when it is over),
+leaves the last good file in place, and the file's expiry (:data:`EXPIRY_PERIODS` periods) makes
+NFD drop labels that nobody refreshes. Only what the operator can fix at once, a bad
+``[device-plugin]`` table, stops it.
+
+It relabels every ``period`` seconds, and within :data:`WATCH_SECONDS` when the kernel's view of
+the driver changes (another driver loaded, a GPU gone, MIG instances created or destroyed: the
+same machine facts the inventory cache checks), rebuilding the inventory through that cache.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from ..errors import NvcError, escape
+from ..fs.bounded import read_at_most
+from . import gfd, publish
+
+EXPIRY_PERIODS = 4
+ONE_SHOT_EXPIRY = 3600          # a file written once expires after an hour
+WATCH_SECONDS = 5.0
+MACHINE_TYPE_FILE = "/sys/class/dmi/id/product_name"
+MAX_MACHINE_TYPE = 256
+
+
+def machine_type(path: str) -> str | None:
+    """The DMI product name (what NVIDIA's labeller reads), or None when it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data, _more = read_at_most(fd, MAX_MACHINE_TYPE)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", "replace").strip()
+
+
+class Labeller:
+    """One round at a time: read the inventory, decide the labels, publish them."""
+
+    def __init__(self, config, *, output_file: str | None, period: float | None, machine_type_file: str,
+                 timestamps: bool, clock=time.time):
+        from ..deviceplugin import settings as settings_module
+
+        self.config = config
+        self.settings = settings_module.parse(config.device_plugin)
+        self.output_file = output_file
+        self.period = period
+        self.machine_type_file = machine_type_file
+        self.timestamps = timestamps
+        self.clock = clock
+        self.trouble: str | None = None
+
+    def labels(self, refresh: bool = False) -> dict[str, str]:
+        from ..inventory.cache import cached_inventory
+
+        inv = cached_inventory(self.config, refresh=refresh)
+        now = self.clock()
+        return gfd.node_labels(inv, self.settings, machine=machine_type(self.machine_type_file),
+                               timestamp=int(now) if self.timestamps else None)
+
+    def round(self, refresh: bool = False) -> None:
+        """Publish once; raise NvcError on failure."""
+        labels = self.labels(refresh)
+        if self.output_file is None:
+            sys.stdout.write(publish.lines(labels))
+            sys.stdout.flush()
+            return
+        lifetime = EXPIRY_PERIODS * self.period if self.period else ONE_SHOT_EXPIRY
+        publish.write(self.output_file, publish.feature_file(labels, self.clock() + lifetime))
+
+    def keep_going(self, refresh: bool = False) -> None:
+        """A round whose failure is reported, not raised."""
+        try:
+            self.round(refresh)
+        except NvcError as exc:
+            line = exc.line()
+            if line != self.trouble:
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+            self.trouble = line
+            return
+        if self.trouble is not None:
+            sys.stderr.write(f"nvcontainer: labels published again{self._where()}\n")
+            sys.stderr.flush()
+        self.trouble = None
+
+    def _where(self) -> str:
+        return f" to {escape(self.output_file)}" if self.output_file else ""
+
+
+def run(config, *, output_file: str | None, period: float | None, machine_type_file: str = MACHINE_TYPE_FILE,
+        timestamps: bool = True, clock=time.time, sleep=time.sleep, rounds: int | None = None) -> None:
+    """Once without ``period`` (a failure is the command's); with it, until killed (``rounds``:
+    the tests' bound)."""
+    from ..inventory.cache import machine_state
+
+    labeller = Labeller(config, output_file=output_file, period=period, machine_type_file=machine_type_file,
+                        timestamps=timestamps, clock=clock)
+    if not period:
+        labeller.round()
+        return
+    done = 0
+    while rounds is None or done < rounds:
+        state = machine_state()
+        labeller.keep_going(refresh=False)
+        done += 1
+        due = clock() + period
+        while clock() < due:
+            sleep(min(WATCH_SECONDS, max(due - clock(), 0.01)))
+            if machine_state() != state:
+                break
