@@ -189,3 +189,52 @@ def test_the_man_page_renders_without_warnings():
     done = subprocess.run(["man", "--warnings", "-l", str(page)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True, env=dict(os.environ, MANWIDTH="80"), timeout=60)
     assert done.returncode == 0 and done.stderr == ""
+
+
+def test_a_driver_change_relabels_before_the_period(private_machine, setup_dir, tmp_path):
+    """--period 60, yet a driver that changes under the labeller (the kernel module's version
+    text) is seen within seconds: the file is replaced; a driver whose libraries do not match
+    (an upgrade half done) is one line and the old file stays whole; once it matches again the
+    labeller says so."""
+    import threading
+
+    machine = private_machine(FakeSpec())
+    version = machine.proc / "driver" / "nvidia" / "version"
+    original = version.read_text()
+    features = tmp_path / "features.d"
+    features.mkdir()
+    target = features / "nvcontainer"
+    cfg = config_file(setup_dir, "driver-change", "")
+    argv = [sys.executable, "-m", "nvcontainer", "--root", str(machine.root), "--config", str(cfg), "labels",
+            "--machine-type-file", str(setup_dir / "product_name"), "--output-file", str(target), "--period", "60"]
+    proc = subprocess.Popen(fake_proc_command(machine, argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    said: list[str] = []
+    reader = threading.Thread(target=lambda: said.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+
+    def wait_for(what, seconds=20.0):
+        end = time.time() + seconds
+        while not what() and time.time() < end:
+            time.sleep(0.2)
+        return what()
+
+    try:
+        assert wait_for(target.exists)
+        first = target.stat().st_ino
+        version.write_text(original.replace("Thu Feb 22", "Fri Mar 22"))
+        assert wait_for(lambda: target.stat().st_ino != first), "not relabelled on a driver change"
+        second, text = target.stat().st_ino, target.read_text()
+        version.write_text(original.replace("550.54.14", "555.42.02"))
+        assert wait_for(lambda: said), "a driver that does not match was not reported"
+        assert len(said) == 1 and "version mismatch" in said[0], said
+        assert target.stat().st_ino == second and target.read_text() == text
+        version.write_text(original)
+        assert wait_for(lambda: len(said) == 2)
+        assert said[1] == f"nvcontainer: labels published again to {target}\n"
+        assert proc.poll() is None
+    finally:
+        version.write_text(original)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+    assert os.listdir(features) == ["nvcontainer"]
