@@ -20,9 +20,11 @@ def test_two_gpus_match_the_machine(fake_machine):
     inv = inventory_of(fake_machine)
     assert inv.driver_version == truth["driver_version"]
     assert inv.cuda_version == truth["cuda_version"]
-    assert [(g.index, g.minor, g.model, g.brand, g.uuid, g.bus_id, g.arch) for g in inv.gpus] == [
-        (g["index"], g["minor"], g["name"], g["brand"], g["uuid"], g["bus_id"], g["arch"]) for g in truth["gpus"]
+    assert [(g.index, g.minor, g.model, g.brand, g.uuid, g.bus_id, g.arch, g.memory_mib) for g in inv.gpus] == [
+        (g["index"], g["minor"], g["name"], g["brand"], g["uuid"], g["bus_id"], g["arch"], g["memory_mib"])
+        for g in truth["gpus"]
     ]
+    assert [g.memory_mib for g in inv.gpus] == [81920, 15360]    # A100 80GB, T4: NVML's totals
 
 
 @pytest.mark.parametrize("count", [1, 8])

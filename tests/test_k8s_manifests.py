@@ -25,7 +25,7 @@ yaml = pytest.importorskip("yaml")
 from nvcontainer import __version__  # noqa: E402
 from nvcontainer.config import load as config_load  # noqa: E402
 from nvcontainer.config.model import Config  # noqa: E402
-from nvcontainer.deviceplugin import settings as dp_settings  # noqa: E402
+from nvcontainer.deviceplugin import mps, settings as dp_settings  # noqa: E402
 from nvcontainer.labels import publish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,6 +64,11 @@ def daemonsets(objs) -> list[dict]:
     return [o for o in objs if o["kind"] == "DaemonSet"]
 
 
+def containers(ds: dict) -> list[dict]:
+    spec = ds["spec"]["template"]["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
 def container_of(ds: dict) -> dict:
     (container,) = ds["spec"]["template"]["spec"]["containers"]
     return container
@@ -86,38 +91,48 @@ def option(container: dict, name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
 
 
-def mounts(ds: dict) -> dict[str, tuple[dict, dict]]:
+def mounts_shm(container: dict) -> bool:
+    return command_word(container) == "mps-daemon" and "--mount-shm" in container["command"]
+
+
+def mounts(ds: dict, container: dict) -> dict[str, tuple[dict, dict]]:
     """mount path -> (volumeMount, volume)."""
     volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"].get("volumes", [])}
-    return {m["mountPath"]: (m, volumes[m["name"]]) for m in container_of(ds).get("volumeMounts", [])}
+    return {m["mountPath"]: (m, volumes[m["name"]]) for m in container.get("volumeMounts", [])}
 
 
-def covering(ds: dict, path: str) -> tuple[str, dict, dict] | None:
+def covering(ds: dict, container: dict, path: str) -> tuple[str, dict, dict] | None:
     """The mount that holds ``path`` in the container (the deepest), if any."""
     best = None
-    for where, (mount, volume) in mounts(ds).items():
+    for where, (mount, volume) in mounts(ds, container).items():
         if path == where or path.startswith(where.rstrip("/") + "/"):
             if best is None or len(where) > len(best[0]):
                 best = (where, mount, volume)
     return best
 
 
-def needs(ds: dict, cfg: Config, dp: dp_settings.Settings) -> dict[str, str]:
-    """What the container's command opens, from the code's settings: path -> "host" (a host
-    directory shared with the kubelet, NFD or other pods: hostPath at the same path, writable),
-    "host-read" (the same, read-only is enough), "private" (any writable volume), "kernel"
-    (the pod's own /proc, /sys)."""
-    container = container_of(ds)
+def needs(container: dict, cfg: Config, dp: dp_settings.Settings) -> dict[str, tuple[str, str | None, str]]:
+    """What the container's command opens, from the code's settings: container path -> (how,
+    host path, propagation). how: "host" (a host directory shared with the kubelet, NFD or other
+    pods, writable), "host-read" (read-only is enough), "private" (any writable volume),
+    "kernel" (the pod's own /proc, /sys)."""
     word = command_word(container)
-    paths = {cfg.cache_dir: "private", "/proc/driver/nvidia": "kernel", dp.sysfs: "kernel"}
+    paths = {cfg.cache_dir: ("private", None, ""), "/proc/driver/nvidia": ("kernel", None, ""),
+             dp.sysfs: ("kernel", None, "")}
     if word == "device-plugin":
-        paths[dp.socket_dir] = "host"
+        paths[dp.socket_dir] = ("host", dp.socket_dir, "")
         if dp.sharing == "mps":
-            paths[dp.mps_root] = "host-read"
+            # it looks at the daemons' markers, which appear after it started
+            paths[dp.mps_root] = ("host-read", dp.mps_root, "HostToContainer")
     elif word == "labels":
-        paths[posixpath.dirname(option(container, "--output-file"))] = "host"
+        directory = posixpath.dirname(option(container, "--output-file"))
+        paths[directory] = ("host", directory, "")
+    elif mounts_shm(container):
+        # the tmpfs it mounts must be the host's
+        return {dp.mps_root: ("host", dp.mps_root, "Bidirectional")}
     elif word == "mps-daemon":
-        paths[dp.mps_root] = "host"
+        paths[dp.mps_root] = ("host", dp.mps_root, "HostToContainer")
+        paths[mps.CONTAINER_SHM] = ("host", posixpath.join(dp.mps_root, mps.SHM), "")
     else:
         raise AssertionError(f"unknown command {word}")
     return paths
@@ -125,8 +140,7 @@ def needs(ds: dict, cfg: Config, dp: dp_settings.Settings) -> dict[str, str]:
 
 @pytest.fixture(scope="module", params=TARGETS)
 def rendered(request):
-    objs = objects(request.param)
-    return request.param, objs
+    return request.param, objects(request.param)
 
 
 def test_every_overlay_renders_the_same_with_every_kubectl():
@@ -142,24 +156,25 @@ def test_every_path_the_code_opens_is_there(rendered):
     target, objs = rendered
     cfg, dp = rendered_config(objs)
     for ds in daemonsets(objs):
-        name = ds["metadata"]["name"]
-        for path, how in needs(ds, cfg, dp).items():
-            held = covering(ds, path)
-            if how == "kernel":
-                assert held is None or held[2].get("hostPath", {}).get("path") == held[0], \
-                    f"{target} {name}: {path} hidden by a volume"
-                assert path.startswith(KERNEL_VIEWS)
-                continue
-            assert held is not None, f"{target} {name}: nothing mounted at {path}"
-            where, mount, volume = held
-            if how == "private":
-                assert "emptyDir" in volume and not mount.get("readOnly"), f"{target} {name}: {path}"
-                continue
-            assert where == path, f"{target} {name}: {path} is under {where}, not mounted itself"
-            assert volume.get("hostPath", {}).get("path") == path, f"{target} {name}: {path} not the host's"
-            assert volume["hostPath"].get("type") in ("Directory", "DirectoryOrCreate")
-            if how == "host":
-                assert not mount.get("readOnly"), f"{target} {name}: {path} must be writable"
+        for container in containers(ds):
+            name = f"{target} {ds['metadata']['name']}/{container['name']}"
+            for path, (how, host, propagation) in needs(container, cfg, dp).items():
+                held = covering(ds, container, path)
+                if how == "kernel":
+                    assert held is None, f"{name}: {path} hidden by a volume"
+                    assert path.startswith(KERNEL_VIEWS)
+                    continue
+                assert held is not None, f"{name}: nothing mounted at {path}"
+                where, mount, volume = held
+                if how == "private":
+                    assert "emptyDir" in volume and not mount.get("readOnly"), f"{name}: {path}"
+                    continue
+                assert where == path, f"{name}: {path} is under {where}, not mounted itself"
+                assert volume.get("hostPath", {}).get("path") == host, f"{name}: {path} is not the host's {host}"
+                assert volume["hostPath"].get("type") in ("Directory", "DirectoryOrCreate")
+                assert mount.get("mountPropagation", "") == propagation, f"{name}: {path} propagation"
+                if how == "host":
+                    assert not mount.get("readOnly"), f"{name}: {path} must be writable"
 
 
 def test_the_driver_comes_through_the_runtime_class(rendered):
@@ -169,46 +184,58 @@ def test_the_driver_comes_through_the_runtime_class(rendered):
     assert cfg.root == "/", "the driver root is what the hook injected into the container"
     for ds in daemonsets(objs):
         spec = ds["spec"]["template"]["spec"]
-        env = {e["name"]: e["value"] for e in container_of(ds).get("env", [])}
         assert spec["runtimeClassName"] == "nvidia", ds["metadata"]["name"]
-        assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
-        capabilities = set(env["NVIDIA_DRIVER_CAPABILITIES"].split(","))
-        want = {"utility", "compute"} if command_word(container_of(ds)) == "mps-daemon" else {"utility"}
-        assert capabilities == want, f"{target} {ds['metadata']['name']}: {capabilities}"
-        assert covering(ds, "/") is None and not any(
-            v.get("hostPath", {}).get("path") == "/" for v in spec.get("volumes", [])), "no host / mounted"
+        assert not any(v.get("hostPath", {}).get("path") == "/" for v in spec.get("volumes", [])), "no host /"
+        for container in containers(ds):
+            env = {e["name"]: e["value"] for e in container.get("env", [])}
+            if mounts_shm(container):
+                assert "NVIDIA_VISIBLE_DEVICES" not in env, "the tmpfs mounter needs no GPU"
+                continue
+            assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+            capabilities = set(env["NVIDIA_DRIVER_CAPABILITIES"].split(","))
+            want = {"utility", "compute"} if command_word(container) == "mps-daemon" else {"utility"}
+            assert capabilities == want, f"{target} {ds['metadata']['name']}: {capabilities}"
+
+
+def privileged_because(container: dict, dp: dp_settings.Settings) -> str | None:
+    """Why a container may be privileged, or None: it may not."""
+    if command_word(container) == "mps-daemon":
+        return "a bidirectional mount" if mounts_shm(container) else "the MPS server opens every GPU"
+    if dp.mig_strategy != "none":
+        return "NVML lists MIG devices only with the MIG monitor capability, granted to privileged containers"
+    return None
 
 
 def test_privileges_are_the_minimum(rendered):
     target, objs = rendered
     cfg, dp = rendered_config(objs)
     for ds in daemonsets(objs):
-        name = ds["metadata"]["name"]
         spec = ds["spec"]["template"]["spec"]
-        container = container_of(ds)
-        security = container["securityContext"]
-        env = {e["name"]: e["value"] for e in container.get("env", [])}
-        assert not spec.get("hostNetwork") and not spec.get("hostIPC"), name
-        assert bool(spec.get("hostPID")) == (command_word(container) == "mps-daemon"), \
-            f"{target} {name}: host PID namespace only for the MPS server, whose clients are other pods"
+        words = {command_word(c) for c in containers(ds)}
+        assert not spec.get("hostNetwork") and not spec.get("hostIPC"), ds["metadata"]["name"]
+        assert bool(spec.get("hostPID")) == ("mps-daemon" in words), \
+            f"{target}: host PID namespace only for the MPS server, whose clients are other pods"
         assert spec["automountServiceAccountToken"] is False
-        assert security["runAsUser"] == 0
-        assert security["seccompProfile"] == {"type": "RuntimeDefault"}
-        assert security["capabilities"]["drop"] == ["ALL"]
-        assert set(security["capabilities"]["add"]) == CAPABILITIES, f"{target} {name}"
-        if dp.mig_strategy != "none" and command_word(container) != "mps-daemon":
-            # MIG devices are listed by NVML only with the MIG monitor capability, which the
-            # hook grants privileged containers only
-            assert env.get("NVIDIA_MIG_MONITOR_DEVICES") == "all", f"{target} {name}"
-            assert security["privileged"] is True and security["allowPrivilegeEscalation"] is True
-        else:
-            assert "NVIDIA_MIG_MONITOR_DEVICES" not in env
-            assert security["privileged"] is False, f"{target} {name}: privileged"
-            assert security["allowPrivilegeEscalation"] is False
-        for mount, volume in mounts(ds).values():
-            if "hostPath" in volume:
-                host = volume["hostPath"]["path"]
-                assert host in needs(ds, cfg, dp), f"{target} {name}: {host} mounted but never opened"
+        for container in containers(ds):
+            name = f"{target} {ds['metadata']['name']}/{container['name']}"
+            security = container["securityContext"]
+            env = {e["name"]: e["value"] for e in container.get("env", [])}
+            if privileged_because(container, dp):
+                assert security["privileged"] is True and security.get("allowPrivilegeEscalation", True), name
+                if command_word(container) != "mps-daemon":
+                    assert env.get("NVIDIA_MIG_MONITOR_DEVICES") == "all", name
+            else:
+                assert "NVIDIA_MIG_MONITOR_DEVICES" not in env
+                assert security["privileged"] is False, f"{name}: privileged"
+                assert security["allowPrivilegeEscalation"] is False
+                assert security["runAsUser"] == 0
+                assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+                assert security["capabilities"]["drop"] == ["ALL"]
+                assert set(security["capabilities"]["add"]) == CAPABILITIES, name
+            opened = {host for _how, host, _p in needs(container, cfg, dp).values() if host}
+            for mount, volume in mounts(ds, container).values():
+                if "hostPath" in volume:
+                    assert volume["hostPath"]["path"] in opened, f"{name}: {volume['hostPath']['path']} never opened"
 
 
 def test_the_image_is_the_package_version(rendered):
@@ -217,7 +244,8 @@ def test_the_image_is_the_package_version(rendered):
         version = tomllib.load(f)["project"]["version"]
     assert version == __version__
     for ds in daemonsets(objs):
-        assert container_of(ds)["image"] == f"nvcontainer:{version}", f"{target} {ds['metadata']['name']}"
+        for container in containers(ds):
+            assert container["image"] == f"nvcontainer:{version}", f"{target} {ds['metadata']['name']}"
 
 
 def test_an_operator_overlay_can_name_the_image(tmp_path):
@@ -227,7 +255,7 @@ def test_an_operator_overlay_can_name_the_image(tmp_path):
         f"bases:\n  - {os.path.relpath(DEPLOY / 'overlays' / 'mps', overlay)}\n"
         "images:\n  - name: nvcontainer\n    newName: registry.example.com/gpu/nvcontainer\n    newTag: 0.1.0-site1\n")
     objs = [o for o in yaml.safe_load_all(render(overlay)) if o]
-    images = {container_of(ds)["image"] for ds in daemonsets(objs)}
+    images = {c["image"] for ds in daemonsets(objs) for c in containers(ds)}
     assert images == {"registry.example.com/gpu/nvcontainer:0.1.0-site1"}
 
 
@@ -236,10 +264,11 @@ def test_every_container_runs_a_command_of_ours(rendered):
 
     _target, objs = rendered
     for ds in daemonsets(objs):
-        word = command_word(container_of(ds))
-        if word == "mps-daemon" and word not in cli.commands:
-            pytest.skip("nvcontainer mps-daemon is not in this tree yet (branch mps)")
-        assert word in cli.commands, word
+        for container in containers(ds):
+            command = cli.commands[command_word(container)]
+            options = {o for p in command.params for o in p.opts}
+            given = {a for a in container["command"][4:] if a.startswith("-")}
+            assert given <= options, given - options
 
 
 def test_the_labeller_writes_nfd_s_feature_file(rendered):

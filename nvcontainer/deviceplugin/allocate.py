@@ -18,6 +18,9 @@ The response tells the runtime which GPUs the container has, in the ways NVIDIA'
   gate; containerd 2, CRI-O).
 
 Time-sliced replicas ``<id>::<k>`` name the same GPU; the container is given each GPU once.
+With ``sharing = "mps"`` a container gets one replica, and with it what the GPU's MPS daemon
+needs (:mod:`.mps`): the pipe directory and ``/dev/shm`` mounted, ``CUDA_MPS_PIPE_DIRECTORY``
+and the client limits.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 from ..errors import escape
 from ..records import record
 from ..request.decide import DEVICES_ROOT, VISIBLE_DEVICES
+from . import mps
 from .devices import Advertised, Resource
 from .settings import Settings
 
@@ -77,9 +81,10 @@ def look_up(ids, resource: Resource, what: str = "device") -> list[Advertised]:
 
 
 def allocate(ids, resource: Resource, unhealthy: frozenset[str], settings: Settings,
-             response_id: str) -> ContainerResponse:
+             response_id: str, shares: dict | None = None) -> ContainerResponse:
     """The answer for one container's ``devices_ids``. ``unhealthy``: IDs now advertised as
-    Unhealthy; ``response_id`` (unique per response) keys the CDI annotation."""
+    Unhealthy; ``response_id`` (unique per response) keys the CDI annotation; ``shares``: GPU
+    UUID → :class:`mps.Share` with ``sharing = "mps"``."""
     entries = look_up(ids, resource)
     if not entries:
         raise Refused("invalid", f"no device IDs in the request for {resource.name}")
@@ -90,6 +95,14 @@ def allocate(ids, resource: Resource, unhealthy: frozenset[str], settings: Setti
     if settings.replicas > 1 and settings.fail_requests_greater_than_one and len(entries) > 1:
         raise Refused("invalid", f"request for {len(entries)} shared {resource.name} devices: at most 1 "
                                  "(fail-requests-greater-than-one)")
+    share = None
+    if shares:
+        if len(entries) > 1:
+            raise Refused("invalid", f"request for {len(entries)} {resource.name} replicas with sharing = mps: "
+                                     "at most 1 (a container talks to one GPU's MPS daemon)")
+        share = shares.get(entries[0].unit.gpu.uuid)
+        if share is None:
+            raise Refused("invalid", f"device {escape(entries[0].id, 80)} is not shared by MPS")
     tokens = list(dict.fromkeys(e.unit.token(settings.device_id_strategy) for e in entries))
     strategies = settings.device_list_strategy
     envs: dict[str, str] = {}
@@ -106,4 +119,7 @@ def allocate(ids, resource: Resource, unhealthy: frozenset[str], settings: Setti
         annotations[f"{settings.cdi_annotation_prefix}{ANNOTATION_NAME}{response_id}"] = ",".join(names)
     if "cdi-cri" in strategies:
         cdi = names
+    if share is not None:
+        envs.update(mps.client_env(share))
+        mounts += [MountSpec(inside, host, read_only=False) for inside, host in mps.client_mounts(share, settings.mps_root)]
     return ContainerResponse(tuple(envs.items()), tuple(mounts), tuple(annotations.items()), tuple(cdi))

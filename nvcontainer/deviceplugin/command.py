@@ -14,7 +14,7 @@ import os
 
 from .. import log
 from ..errors import escape
-from . import devices, settings as settings_module, topology
+from . import devices, mps, settings as settings_module, topology
 from .report import Reporter
 
 NVML_PREFIX = "libnvidia-ml.so"
@@ -41,6 +41,11 @@ def run(config, **overrides) -> None:
             log.warning(f"allowed-devices: {escape(token)} matches no device on this node")
     numa = topology.numa_nodes(settings.sysfs, inv)
     resources = devices.advertise(inv, settings, allow, numa)
+    shares = mps.shares(resources, settings)
+    for share in shares:
+        line = mps.rounding(share)
+        if line:
+            reporter.say(line)
 
     from .agent import serve
     from .monitor import Monitor
@@ -48,6 +53,7 @@ def run(config, **overrides) -> None:
 
     async def main() -> None:
         state = PluginState(inv, resources, settings, topology.Topology(numa=numa))
+        state.mps = {s.uuid: s for s in shares}
         monitor = None
         library = nvml_library(inv)
         if not settings.health_checks:
@@ -56,13 +62,24 @@ def run(config, **overrides) -> None:
             reporter.say("no NVML library in the inventory: health checks are off")
         else:
             def publish(bad: dict) -> None:
-                before = dict(state.bad)
-                if state.set_bad(bad):
+                before = state.marks("health")
+                state.set_bad(bad)
+                if before != bad:
                     _say_changes(reporter, inv, before, bad)
 
             monitor = Monitor(inv, library, settings, parse_user(config.user), publish, state.set_topology,
                               reporter.say, numa=numa, start_timeout=config.deadline)
-        await serve(state, settings.socket_dir, reporter, monitor)
+        mps_watch = None
+        if shares:
+            from . import mpshealth
+
+            state.set_bad(mpshealth.look(shares), source="mps")    # none advertised Healthy before
+            mps_watch = asyncio.create_task(mpshealth.watch(state, shares, reporter))
+        try:
+            await serve(state, settings.socket_dir, reporter, monitor)
+        finally:
+            if mps_watch is not None:
+                mps_watch.cancel()
 
     asyncio.run(main())
 

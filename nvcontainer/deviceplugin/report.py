@@ -22,14 +22,15 @@ PREFIX = "nvcontainer device-plugin: "
 
 
 class Reporter:
-    def __init__(self, stream=None):
+    def __init__(self, stream=None, prefix: str = PREFIX):
         self.stream = stream or sys.stderr
+        self.prefix = prefix
         self._last: dict[str, str] = {}
 
     def say(self, line: str) -> None:
         log.info(line)
         try:
-            os.write(self.stream.fileno(), (PREFIX + line + "\n").encode("utf-8", "backslashreplace"))
+            os.write(self.stream.fileno(), (self.prefix + line + "\n").encode("utf-8", "backslashreplace"))
         except (OSError, ValueError):
             pass
 

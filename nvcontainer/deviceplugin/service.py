@@ -127,7 +127,8 @@ class DevicePluginService:
         unhealthy = self.state.unhealthy(self.resource)
         try:
             for creq in request.container_requests:
-                got = allocate(creq.devices_ids, self.resource, unhealthy, self.state.settings, str(uuid.uuid4()))
+                got = allocate(creq.devices_ids, self.resource, unhealthy, self.state.settings, str(uuid.uuid4()),
+                               self.state.mps)
                 resp = out.container_responses.add()
                 resp.envs.update(dict(got.envs))
                 resp.annotations.update(dict(got.annotations))

@@ -28,6 +28,8 @@ class PluginState:
         self.settings = settings
         self.topology = topology
         self.bad: dict[str, str] = {}            # unit UUID -> why it is unhealthy
+        self._marks: dict[str, dict[str, str]] = {}   # the same, per source (NVML's watcher, MPS)
+        self.mps: dict = {}                      # GPU UUID -> mps.Share, with sharing = "mps"
         self.version = 0
         self.stopping = False
         self._changed = asyncio.Event()
@@ -38,13 +40,22 @@ class PluginState:
             return frozenset()
         return frozenset(d.id for d in resource.devices if d.unit.uuid in self.bad)
 
-    def set_bad(self, bad: dict[str, str]) -> bool:
-        """Record which units are unhealthy; True (and the streams woken) when that changed."""
-        if bad == self.bad:
+    def set_bad(self, bad: dict[str, str], source: str = "health") -> bool:
+        """Record which units ``source`` finds unhealthy (a unit is unhealthy when any source
+        says so); True (and the streams woken) when the whole changed."""
+        self._marks[source] = dict(bad)
+        merged: dict[str, str] = {}
+        for marks in self._marks.values():
+            for uuid, why in marks.items():
+                merged.setdefault(uuid, why)
+        if merged == self.bad:
             return False
-        self.bad = dict(bad)
+        self.bad = merged
         self._bump()
         return True
+
+    def marks(self, source: str) -> dict[str, str]:
+        return dict(self._marks.get(source, {}))
 
     def set_topology(self, topology: Topology) -> None:
         self.topology = topology

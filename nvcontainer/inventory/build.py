@@ -168,5 +168,5 @@ def _gpu(g: dict, root: str, proc: str, caps_major: int | None) -> Gpu:
         mig_enabled=g["mig_enabled"],
         migs=tuple(migs),
         dri=graphics.dri_nodes(root, bus_id),
-        memory_mib=g.get("memory_mib", 0),
+        memory_mib=int(g.get("memory_mib") or 0),
     )

@@ -57,7 +57,7 @@ class Gpu:
     mig_enabled: bool = False
     migs: tuple[MigDevice, ...] = ()
     dri: tuple[DeviceNode, ...] = ()   # /dev/dri/card*, renderD* of its PCI device (graphics, display)
-    memory_mib: int = 0                # total memory as NVML reports it, in MiB; 0: NVML gave none
+    memory_mib: int = 0                # total memory as NVML reports it, MiB; 0: unknown
 
     @property
     def node(self) -> DeviceNode:

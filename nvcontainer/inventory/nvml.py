@@ -149,6 +149,7 @@ def _collect(nv) -> dict:
             "uuid": _text(nv.nvmlDeviceGetUUID(h)),
             "bus": [pci.domain, pci.bus, pci.device],
             "cc": list(cc),
+            "memory_mib": _memory_mib(nv, h),
             "mig_capable": False,
             "mig_enabled": False,
             "migs": [],
@@ -161,7 +162,6 @@ def _collect(nv) -> dict:
             pass
         if gpu["mig_enabled"]:
             gpu["migs"] = _migs(nv, h)
-        gpu["memory_mib"] = _memory_mib(nv, h)
         try:   # for doctor: persistence set with nvidia-smi -pm 1 serves as well as the daemon
             gpu["persistence"] = nv.nvmlDeviceGetPersistenceMode(h) == nv.NVML_FEATURE_ENABLED
         except nv.NVMLError:
@@ -172,6 +172,14 @@ def _collect(nv) -> dict:
         "cuda_version": nv.nvmlSystemGetCudaDriverVersion(),
         "gpus": gpus,
     }
+
+
+def _memory_mib(nv, h) -> int:
+    """Total framebuffer memory in MiB (MPS's per-client limits); 0 where NVML cannot say."""
+    try:
+        return int(nv.nvmlDeviceGetMemoryInfo(h).total) >> 20
+    except nv.NVMLError:
+        return 0
 
 
 def _migs(nv, h) -> list[dict]:
@@ -190,14 +198,6 @@ def _migs(nv, h) -> list[dict]:
             "attributes": _attributes(nv, m),
         })
     return migs
-
-
-def _memory_mib(nv, h) -> int:
-    """Total memory in MiB (node labels); 0 where NVML will not say."""
-    try:
-        return int(nv.nvmlDeviceGetMemoryInfo(h).total) >> 20
-    except nv.NVMLError:
-        return 0
 
 
 # nvmlDeviceAttributes_t's fields, as the inventory names them
