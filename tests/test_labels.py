@@ -53,11 +53,21 @@ def config_file(where: Path, name: str, table: str) -> Path:
     return path
 
 
-def labels(machine, where: Path, name: str, table: str, *args, timeout=60, **kw):
+def labels_argv(machine, where: Path, name: str, table: str, *args, machine_type: str = "product_name") -> list[str]:
     cfg = config_file(where, name, table)
-    argv = [sys.executable, "-m", "nvcontainer", "--root", str(machine.root), "--config", str(cfg), "labels",
-            "--machine-type-file", str(where / "product_name"), *args]
-    return run_in_fake_proc(machine, argv, capture_output=True, text=True, timeout=timeout, **kw)
+    return [sys.executable, "-m", "nvcontainer", "--root", str(machine.root), "--config", str(cfg), "labels",
+            "--machine-type-file", str(where / machine_type), *args]
+
+
+def labels(machine, where: Path, name: str, table: str, *args, timeout=60, **kw):
+    argv = labels_argv(machine, where, name, table, *args, **kw)
+    return run_in_fake_proc(machine, argv, capture_output=True, text=True, timeout=timeout)
+
+
+def labeller(machine, where: Path, name: str, target: Path, period: int, stdout=subprocess.DEVNULL):
+    """``nvcontainer labels`` kept running, in the background."""
+    argv = labels_argv(machine, where, name, "", "--output-file", str(target), "--period", str(period))
+    return subprocess.Popen(fake_proc_command(machine, argv), stdout=stdout, stderr=subprocess.PIPE, text=True)
 
 
 def golden(name: str) -> str:
@@ -84,10 +94,7 @@ def test_the_timestamp_is_the_clock_s_unless_left_out(fake_machine, setup_dir):
 
 
 def test_an_unreadable_machine_type_is_unknown(fake_machine, setup_dir):
-    cfg = config_file(setup_dir, "nomachine", "")
-    argv = [sys.executable, "-m", "nvcontainer", "--root", str(fake_machine.root), "--config", str(cfg), "labels",
-            "--machine-type-file", str(setup_dir / "absent")]
-    out = run_in_fake_proc(fake_machine, argv, capture_output=True, text=True, timeout=60).stdout
+    out = labels(fake_machine, setup_dir, "nomachine", "", machine_type="absent").stdout
     assert "nvidia.com/gpu.machine=unknown\n" in out
 
 
@@ -142,11 +149,7 @@ def test_the_labeller_keeps_running_and_recovers(fake_machine, setup_dir, tmp_pa
     file appears once the directory does, and its labels are the machine's."""
     features = tmp_path / "features.d"
     target = features / "nvcontainer"
-    cfg = config_file(setup_dir, "loop", "")
-    argv = [sys.executable, "-m", "nvcontainer", "--root", str(fake_machine.root), "--config", str(cfg), "labels",
-            "--machine-type-file", str(setup_dir / "product_name"), "--output-file", str(target), "--period", "1"]
-    proc = subprocess.Popen(fake_proc_command(fake_machine, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = labeller(fake_machine, setup_dir, "loop", target, 1)
     try:
         time.sleep(2.5)
         assert proc.poll() is None, proc.stderr.read()
@@ -204,11 +207,7 @@ def test_a_driver_change_relabels_before_the_period(private_machine, setup_dir, 
     features = tmp_path / "features.d"
     features.mkdir()
     target = features / "nvcontainer"
-    cfg = config_file(setup_dir, "driver-change", "")
-    argv = [sys.executable, "-m", "nvcontainer", "--root", str(machine.root), "--config", str(cfg), "labels",
-            "--machine-type-file", str(setup_dir / "product_name"), "--output-file", str(target), "--period", "60"]
-    proc = subprocess.Popen(fake_proc_command(machine, argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = labeller(machine, setup_dir, "driver-change", target, 60)
     said: list[str] = []
     reader = threading.Thread(target=lambda: said.extend(iter(proc.stderr.readline, "")), daemon=True)
     reader.start()

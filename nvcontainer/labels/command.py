@@ -15,12 +15,11 @@ same machine facts the inventory cache checks), rebuilding the inventory through
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 from ..errors import NvcError, escape
-from ..fs.bounded import read_at_most
+from ..inventory.procfs import read_text
 from . import gfd, publish
 
 EXPIRY_PERIODS = 4
@@ -33,16 +32,10 @@ MAX_MACHINE_TYPE = 256
 def machine_type(path: str) -> str | None:
     """The DMI product name (what NVIDIA's labeller reads), or None when it cannot be read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        text = read_text(path, MAX_MACHINE_TYPE)
     except OSError:
         return None
-    try:
-        data, _more = read_at_most(fd, MAX_MACHINE_TYPE)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return data.decode("utf-8", "replace").strip()
+    return None if text is None else text.strip()
 
 
 class Labeller:

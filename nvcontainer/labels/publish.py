@@ -17,6 +17,7 @@ import datetime
 import os
 
 from ..errors import NvcError, escape
+from ..fs.replace import replace_at
 
 DEFAULT_FEATURE_FILE = "/etc/kubernetes/node-feature-discovery/features.d/nvcontainer"
 MAX_FEATURE_FILE = 64 << 10      # NFD ignores a larger file
@@ -46,25 +47,9 @@ def write(path: str, text: str) -> None:
         dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise NvcError("labels", f"cannot write {escape(path)}: {escape(directory)}: {exc.strerror.lower()}") from None
-    tmp = f".{name}.{os.getpid()}.tmp"
     try:
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                         dir_fd=dfd)
-            try:
-                view = memoryview(text.encode())
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fchmod(fd, 0o644)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except OSError as exc:
-            try:
-                os.unlink(tmp, dir_fd=dfd)
-            except OSError:
-                pass
-            raise NvcError("labels", f"cannot write {escape(path)}: {exc.strerror.lower()}") from None
+        replace_at(dfd, name, text.encode(), 0o644)
+    except OSError as exc:
+        raise NvcError("labels", f"cannot write {escape(path)}: {exc.strerror.lower()}") from None
     finally:
         os.close(dfd)
