@@ -237,3 +237,53 @@ def test_a_driver_change_relabels_before_the_period(private_machine, setup_dir, 
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)
     assert os.listdir(features) == ["nvcontainer"]
+
+
+def _inventory(**gpu):
+    from nvcontainer.inventory.model import Gpu, Inventory, MigDevice
+
+    mig = MigDevice(parent=0, index=0, uuid="MIG-x", gi=1, ci=0, gi_access="", ci_access="",
+                    name="NVIDIA A100-SXM4-80GB MIG 1g.10gb", attributes=(("memory_mb", 9728),))
+    fields = dict(index=0, minor=0, model="NVIDIA A100-SXM4-80GB", brand="Nvidia", uuid="GPU-x",
+                  bus_id="00000000:07:00.0", arch="8.0", mig_capable=True, memory_mib=81920)
+    if gpu.pop("mig", False):
+        fields.update(mig_enabled=True, migs=(mig,))
+    return Inventory(root="/", driver_version="550.54.14", cuda_version="12.4", gpus=(Gpu(**(fields | gpu)),))
+
+
+def test_mps_beside_mig_is_not_capable_and_rename_drops_shared():
+    from nvcontainer.deviceplugin.settings import Settings
+    from nvcontainer.labels.gfd import node_labels
+
+    shared = Settings(sharing="mps", replicas=2)
+    assert node_labels(_inventory(), shared)["nvidia.com/mps.capable"] == "true"
+    assert node_labels(_inventory(mig=True), shared)["nvidia.com/mps.capable"] == "false"
+    renamed = node_labels(_inventory(), Settings(replicas=2, rename_shared=True))
+    assert renamed["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-80GB"
+    assert renamed["nvidia.com/gpu.sharing-strategy"] == "time-slicing"
+    assert node_labels(_inventory(memory_mib=0), Settings()).get("nvidia.com/gpu.memory") is None
+    assert "nvidia.com/gfd.timestamp" not in node_labels(_inventory(), Settings(), timestamp=None)
+
+
+def test_no_gpu_no_labels_but_the_timestamp():
+    from nvcontainer.deviceplugin.settings import Settings
+    from nvcontainer.inventory.model import Inventory
+    from nvcontainer.labels.gfd import node_labels
+
+    empty = Inventory(root="/", driver_version="550.54.14", cuda_version="12.4")
+    assert node_labels(empty, Settings(), timestamp=NOW) == {"nvidia.com/gfd.timestamp": str(NOW)}
+
+
+def test_a_stopped_labeller_leaves_no_temporary_file(fake_machine, setup_dir, tmp_path):
+    features = tmp_path / "features.d"
+    features.mkdir()
+    target = features / "nvcontainer"
+    proc = labeller(fake_machine, setup_dir, "stop", target, 1)
+    try:
+        deadline = time.time() + 20
+        while not target.exists() and time.time() < deadline:
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    assert os.listdir(features) == ["nvcontainer"]

@@ -30,7 +30,7 @@ def replace_at(dfd: int, name: str, data: bytes, mode: int, owner: tuple[int, in
         finally:
             os.close(fd)
         os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except OSError:
+    except BaseException:   # SIGTERM's exit too: nothing is left behind
         try:
             os.unlink(tmp, dir_fd=dfd)
         except OSError:

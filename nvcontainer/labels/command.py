@@ -15,6 +15,7 @@ same machine facts the inventory cache checks), rebuilding the inventory through
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -98,6 +99,8 @@ def run(config, *, output_file: str | None, period: float | None, machine_type_f
     the tests' bound)."""
     from ..inventory.cache import machine_state
 
+    # SIGTERM (the kubelet stopping the pod) ends a round cleanly: no temporary file is left
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     labeller = Labeller(config, output_file=output_file, period=period, machine_type_file=machine_type_file,
                         timestamps=timestamps, clock=clock)
     if not period:
