@@ -300,3 +300,24 @@ def test_each_overlay_makes_its_choice():
     _cfg, cdi = rendered_config(objects("overlays/cdi-cri"))
     assert cdi.device_list_strategy[0] == "cdi-cri"
     assert set(base.device_list_strategy).isdisjoint({"cdi-cri", "cdi-annotations"})
+
+
+def test_the_objects_hang_together(rendered):
+    """What the API server would accept and the kubelet could start: each DaemonSet's selector
+    matches its pods, every ConfigMap, ServiceAccount and RuntimeClass it names exists, and
+    every namespaced object is in the namespace the kustomization creates."""
+    target, objs = rendered
+    namespace = one(objs, "Namespace")["metadata"]["name"]
+    for obj in objs:
+        if obj["kind"] not in ("Namespace", "RuntimeClass"):
+            assert obj["metadata"]["namespace"] == namespace, f"{target} {obj['metadata']['name']}"
+    names = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    for ds in daemonsets(objs):
+        template = ds["spec"]["template"]
+        assert ds["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+        spec = template["spec"]
+        assert ("ServiceAccount", spec["serviceAccountName"]) in names
+        assert ("RuntimeClass", spec["runtimeClassName"]) in names
+        for volume in spec["volumes"]:
+            if "configMap" in volume:
+                assert ("ConfigMap", volume["configMap"]["name"]) in names, f"{target}: {volume}"
