@@ -94,9 +94,11 @@ class Labeller:
 
 
 def run(config, *, output_file: str | None, period: float | None, machine_type_file: str = MACHINE_TYPE_FILE,
-        timestamps: bool = True, clock=time.time, sleep=time.sleep, rounds: int | None = None) -> None:
+        timestamps: bool = True, clock=time.time, sleep=time.sleep, monotonic=time.monotonic,
+        rounds: int | None = None) -> None:
     """Once without ``period`` (a failure is the command's); with it, until killed (``rounds``:
-    the tests' bound)."""
+    the tests' bound). ``clock`` dates the labels and the file's expiry; ``monotonic`` paces
+    the rounds."""
     from ..inventory.cache import machine_state
 
     # SIGTERM (the kubelet stopping the pod) ends a round cleanly: no temporary file is left
@@ -111,8 +113,8 @@ def run(config, *, output_file: str | None, period: float | None, machine_type_f
         state = machine_state()
         labeller.keep_going(refresh=False)
         done += 1
-        due = clock() + period
-        while clock() < due:
-            sleep(min(WATCH_SECONDS, max(due - clock(), 0.01)))
+        due = monotonic() + period
+        while monotonic() < due:
+            sleep(min(WATCH_SECONDS, max(due - monotonic(), 0.01)))
             if machine_state() != state:
                 break
