@@ -30,6 +30,7 @@ from tests.test_orchestrators import run
 
 REPO = Path(__file__).resolve().parent.parent
 A100, T4 = 81920, 15360                      # the fake machine's GPU 0 and 1 (spec.MEMORY_MIB)
+THREADS_25 = "set_default_active_thread_percentage 25"
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +95,19 @@ def record(machine) -> list[tuple[str, int, str]]:
     return out
 
 
-def told(machine, pid: int) -> list[str]:
-    return [text for kind, p, text in record(machine) if kind == "command" and p == pid]
+def told(machine, pid: int, until=lambda got: True, timeout: float = 10) -> list[str]:
+    """The commands daemon ``pid`` recorded, once ``until`` holds for them (the stand-in's client
+    returns when its line is in the pipe; the daemon records it a moment later)."""
+    end = time.monotonic() + timeout
+    while True:
+        got = [text for kind, p, text in record(machine) if kind == "command" and p == pid]
+        if until(got) or time.monotonic() > end:
+            return got
+        time.sleep(0.05)
+
+
+def has(command: str):
+    return lambda got: command in got
 
 
 @pytest.fixture
@@ -134,14 +146,22 @@ def test_daemon_told_its_limits_in_a_clean_environment_and_cleans_up(machine, tm
             assert env == {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "CUDA_MPS_PIPE_DIRECTORY": pipe,
                            "CUDA_MPS_LOG_DIRECTORY": str(daemon.directory(gpu) / "log"),
                            "CUDA_VISIBLE_DEVICES": uuids(machine)[gpu]}
-            assert told(machine, pid)[:2] == [f"set_default_device_pinned_mem_limit 0 {memory // 4}M",
-                                              "set_default_active_thread_percentage 25"]
+            assert told(machine, pid, has(THREADS_25))[:2] == [f"set_default_device_pinned_mem_limit 0 {memory // 4}M",
+                                                               THREADS_25]
             assert (daemon.directory(gpu) / ".ready").is_file()
             assert (daemon.directory(gpu) / "log/control.log").is_file()
+        # a daemon that dies is started again, and told its limits again
+        dead = daemon.daemon_pid(0)
+        os.kill(dead, signal.SIGKILL)
+        out = daemon.wait_for("ready", count=3)
+        assert out.count("stopped answering") == 1 and "GPU 0" in out.split("stopped answering")[0].splitlines()[-1]
+        assert daemon.daemon_pid(0) != dead
+        assert told(machine, daemon.daemon_pid(0), has(THREADS_25))[:2] == [
+            f"set_default_device_pinned_mem_limit 0 {A100 // 4}M", THREADS_25]
         pids = [daemon.daemon_pid(0), daemon.daemon_pid(1)]
     finally:
         assert daemon.stop() == 0
-    assert [told(machine, pid)[-1] for pid in pids] == ["quit", "quit"]
+    assert [told(machine, pid, has("quit"))[-1] for pid in pids] == ["quit", "quit"]
     assert sorted(p for kind, p, _ in record(machine) if kind == "quit") == sorted(pids)
     assert sorted(os.listdir(daemon.root)) == ["shm"]          # the per-GPU directories are gone
     assert "stopped" in daemon.stderr()
@@ -225,10 +245,7 @@ def test_allocate_applied_to_a_runc_bundle_reaches_the_daemon(machine, tmp_path,
                          "VISIBLE": uuids(machine)[gpu], "CONTROL": "fifo", "SHM": "written", "SENT": "yes"}
         assert (daemon.root / "shm/from-container").exists()
         pid = daemon.daemon_pid(gpu)
-        deadline = time.monotonic() + 10
-        while "get_server_list" not in told(machine, pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "get_server_list" in told(machine, pid)              # that GPU's daemon, not the other's
+        assert "get_server_list" in told(machine, pid, has("get_server_list"))    # that GPU's daemon, not the other's
         assert "get_server_list" not in told(machine, daemon.daemon_pid(1 - gpu))
     finally:
         assert daemon.stop() == 0
@@ -264,8 +281,9 @@ def test_replicas_that_do_not_divide_the_memory(machine, tmp_path, fresh_record)
         out = daemon.wait_for("ready", count=2)
         assert f"GPU 0 ({uuids(machine)[0]}): 81920 MiB do not divide into 7 replicas; each client may pin " \
                "11702 MiB (rounded down, 6 MiB unused)" in out
-        assert told(machine, daemon.daemon_pid(1))[:2] == ["set_default_device_pinned_mem_limit 0 2194M",
-                                                           "set_default_active_thread_percentage 14"]
+        threads = "set_default_active_thread_percentage 14"
+        assert told(machine, daemon.daemon_pid(1), has(threads))[:2] == ["set_default_device_pinned_mem_limit 0 2194M",
+                                                                         threads]
     finally:
         assert daemon.stop() == 0
 
@@ -305,3 +323,18 @@ def test_mount_shm_makes_a_tmpfs_once(machine, tmp_path):
     assert res.stderr.splitlines() == [f"nvcontainer mps-daemon: {root}/shm: tmpfs mounted",
                                        f"nvcontainer mps-daemon: {root}/shm: already a mount"]
     assert not os.path.ismount(root / "shm")            # only in that namespace
+
+
+def test_a_link_in_a_gpu_directory_s_place_is_not_followed(machine, tmp_path, fresh_record):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    gpu_dir = tmp_path / "mps/nvidia.com/gpu" / uuids(machine)[0]
+    gpu_dir.parent.mkdir(parents=True)
+    gpu_dir.symlink_to(outside)
+    daemon = MpsDaemon(machine, tmp_path, {"replicas": 2})
+    try:
+        daemon.wait_for("ready", count=2)
+        assert not gpu_dir.is_symlink() and gpu_dir.is_dir()
+        assert list(outside.iterdir()) == []
+    finally:
+        assert daemon.stop() == 0

@@ -4,6 +4,8 @@ what the daemon is told, what Allocate gives a container, and when a daemon coun
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from nvcontainer.deviceplugin import devices, mps
@@ -78,7 +80,8 @@ def test_more_replicas_than_an_mps_server_takes():
 
 def test_what_the_daemon_is_told_and_its_environment():
     (a, _), _ = shares_of(replicas=4)
-    assert mps.commands(a) == ("set_default_device_pinned_mem_limit 0 20480M", "set_default_active_thread_percentage 25")
+    assert mps.commands(a) == ("set_default_device_pinned_mem_limit 0 20480M",
+                               "set_default_active_thread_percentage 25")
     assert mps.daemon_env(a) == {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "CUDA_MPS_PIPE_DIRECTORY": a.pipe,
                                  "CUDA_MPS_LOG_DIRECTORY": a.log, "CUDA_VISIBLE_DEVICES": a.uuid}
 
@@ -88,7 +91,8 @@ def test_allocate_hands_out_pipe_shm_and_limits():
     resource = devices.advertise(TWO, settings)[0]
     by_uuid = {s.uuid: s for s in shares}
     got = allocate([f"{gpu(1).uuid}::3"], resource, frozenset(), settings, "r", by_uuid)
-    assert dict(got.envs) == {"NVIDIA_VISIBLE_DEVICES": gpu(1).uuid, "CUDA_MPS_PIPE_DIRECTORY": "/mps/nvidia.com/gpu/pipe",
+    assert dict(got.envs) == {"NVIDIA_VISIBLE_DEVICES": gpu(1).uuid,
+                              "CUDA_MPS_PIPE_DIRECTORY": "/mps/nvidia.com/gpu/pipe",
                               "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3840M"}
     assert [(m.container_path, m.host_path, m.read_only) for m in got.mounts] == [
         ("/mps/nvidia.com/gpu/pipe", f"/run/nvidia/mps/nvidia.com/gpu/{gpu(1).uuid}/pipe", False),
@@ -112,7 +116,6 @@ def test_ready_only_with_marker_pipe_and_the_same_limits():
 # --- documentation ------------------------------------------------------------------------------
 
 def test_mps_daemon_page_documents_every_option_and_renders():
-    import os
     import shutil
     import subprocess
     from pathlib import Path
@@ -134,3 +137,29 @@ def test_mps_daemon_page_documents_every_option_and_renders():
     result = subprocess.run(["man", "--warnings", "-l", str(page)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, MANWIDTH="80"), timeout=60)
     assert result.returncode == 0 and result.stderr == ""
+
+
+# --- the control program ------------------------------------------------------------------------
+
+def _with_binary(tmp_path, mode: int | None):
+    from nvcontainer.inventory.model import DriverFile
+
+    path = tmp_path / "usr/bin/nvidia-cuda-mps-control"
+    if mode is not None:
+        path.parent.mkdir(parents=True)
+        path.write_text("#!/bin/sh\n")
+        os.chmod(path, mode)
+    binaries = (DriverFile(path="/usr/bin/nvidia-cuda-mps-control", group="compute", name="nvidia-cuda-mps-control"),)
+    return replace(TWO, root=str(tmp_path), binaries=binaries if mode is not None else ())
+
+
+def test_the_control_program_is_the_inventory_s_and_only_root_can_change_it(tmp_path):
+    from nvcontainer.deviceplugin.mpsdaemon import control_binary
+
+    if os.geteuid() != 0:
+        pytest.skip("the program must belong to root")
+    assert control_binary(_with_binary(tmp_path, 0o755)) == f"{tmp_path}/usr/bin/nvidia-cuda-mps-control"
+    with pytest.raises(NvcError, match="only root can change; refusing"):
+        control_binary(_with_binary(tmp_path / "x", 0o757))
+    with pytest.raises(NvcError, match="no nvidia-cuda-mps-control in the driver's files"):
+        control_binary(_with_binary(tmp_path / "y", None))

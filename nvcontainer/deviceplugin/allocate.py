@@ -121,5 +121,6 @@ def allocate(ids, resource: Resource, unhealthy: frozenset[str], settings: Setti
         cdi = names
     if share is not None:
         envs.update(mps.client_env(share))
-        mounts += [MountSpec(inside, host, read_only=False) for inside, host in mps.client_mounts(share, settings.mps_root)]
+        mounts += [MountSpec(inside, host, read_only=False)
+                   for inside, host in mps.client_mounts(share, settings.mps_root)]
     return ContainerResponse(tuple(envs.items()), tuple(mounts), tuple(annotations.items()), tuple(cdi))

@@ -175,7 +175,10 @@ class Daemon:
         return why
 
     def clear(self) -> None:
-        """Remove this GPU's directory (rmtree unlinks links, never follows them)."""
+        """Remove this GPU's directory (rmtree unlinks links inside, never follows them; a link
+        in the directory's place is unlinked, so nothing is made through it)."""
+        if os.path.islink(self.share.directory):
+            os.unlink(self.share.directory)
         shutil.rmtree(self.share.directory, ignore_errors=True)
 
 
@@ -238,8 +241,14 @@ class Supervisor:
                     continue
                 d.unready()
                 self.ready[uuid] = False
-                self.reporter.say(f"MPS daemon for {d.share.name} stopped answering ({why}): starting it again")
-            why = d.start()
+                self.reporter.state(uuid, f"MPS daemon for {d.share.name} stopped answering ({why}): "
+                                          "starting it again")
+            try:
+                why = d.start()
+            except NvcError as exc:           # a directory that is not ours: this GPU only
+                why = exc.detail
+            except OSError as exc:
+                why = escape(exc.strerror or str(exc))
             if why:
                 d.unready()
                 self.reporter.state(uuid, f"MPS daemon for {d.share.name} did not start: {why}; trying again "
