@@ -55,17 +55,17 @@ class Labeller:
         self.clock = clock
         self.trouble: str | None = None
 
-    def labels(self, refresh: bool = False) -> dict[str, str]:
+    def labels(self) -> dict[str, str]:
         from ..inventory.cache import cached_inventory
 
-        inv = cached_inventory(self.config, refresh=refresh)
+        inv = cached_inventory(self.config)
         now = self.clock()
         return gfd.node_labels(inv, self.settings, machine=machine_type(self.machine_type_file),
                                timestamp=int(now) if self.timestamps else None)
 
-    def round(self, refresh: bool = False) -> None:
+    def round(self) -> None:
         """Publish once; raise NvcError on failure."""
-        labels = self.labels(refresh)
+        labels = self.labels()
         if self.output_file is None:
             sys.stdout.write(publish.lines(labels))
             sys.stdout.flush()
@@ -73,10 +73,10 @@ class Labeller:
         lifetime = EXPIRY_PERIODS * self.period if self.period else ONE_SHOT_EXPIRY
         publish.write(self.output_file, publish.feature_file(labels, self.clock() + lifetime))
 
-    def keep_going(self, refresh: bool = False) -> None:
+    def keep_going(self) -> None:
         """A round whose failure is reported, not raised."""
         try:
-            self.round(refresh)
+            self.round()
         except NvcError as exc:
             line = exc.line()
             if line != self.trouble:
@@ -111,7 +111,7 @@ def run(config, *, output_file: str | None, period: float | None, machine_type_f
     done = 0
     while rounds is None or done < rounds:
         state = machine_state()
-        labeller.keep_going(refresh=False)
+        labeller.keep_going()
         done += 1
         due = monotonic() + period
         while monotonic() < due:
