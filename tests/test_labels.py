@@ -71,6 +71,14 @@ def labeller(machine, where: Path, name: str, target: Path, period: int, stdout=
     return subprocess.Popen(fake_proc_command(machine, argv), stdout=stdout, stderr=subprocess.PIPE, text=True)
 
 
+def wait_for(what, seconds=20.0):
+    """``what()`` once it is true, or its last value after ``seconds``."""
+    end = time.time() + seconds
+    while not what() and time.time() < end:
+        time.sleep(0.1)
+    return what()
+
+
 def golden(name: str) -> str:
     lines = (GOLDEN / "versions.txt").read_text().splitlines() + (GOLDEN / f"{name}.txt").read_text().splitlines()
     return "".join(f"{line}\n" for line in sorted(lines))
@@ -117,9 +125,7 @@ def test_the_expiry_is_four_periods(fake_machine, setup_dir, tmp_path):
     target = tmp_path / "nvcontainer"
     proc = labeller(fake_machine, setup_dir, "expiry", target, 2, now=NOW)
     try:
-        deadline = time.time() + 20
-        while not target.exists() and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for(target.exists)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)
@@ -166,10 +172,7 @@ def test_the_labeller_keeps_running_and_recovers(fake_machine, setup_dir, tmp_pa
         time.sleep(2.5)
         assert proc.poll() is None, proc.stderr.read()
         features.mkdir()
-        deadline = time.time() + 20
-        while not target.exists() and time.time() < deadline:
-            time.sleep(0.2)
-        assert target.exists()
+        assert wait_for(target.exists)
         assert "nvidia.com/gpu.product=NVIDIA-A100-SXM4-80GB\n" in target.read_text()
         assert proc.poll() is None
     finally:
@@ -223,12 +226,6 @@ def test_a_driver_change_relabels_before_the_period(private_machine, setup_dir, 
     said: list[str] = []
     reader = threading.Thread(target=lambda: said.extend(iter(proc.stderr.readline, "")), daemon=True)
     reader.start()
-
-    def wait_for(what, seconds=20.0):
-        end = time.time() + seconds
-        while not what() and time.time() < end:
-            time.sleep(0.2)
-        return what()
 
     try:
         assert wait_for(target.exists)
@@ -292,9 +289,7 @@ def test_a_stopped_labeller_leaves_no_temporary_file(fake_machine, setup_dir, tm
     target = features / "nvcontainer"
     proc = labeller(fake_machine, setup_dir, "stop", target, 1)
     try:
-        deadline = time.time() + 20
-        while not target.exists() and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for(target.exists)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
