@@ -245,6 +245,11 @@ def test_ipc_firmware_and_binaries(fake_machine):
         assert real_path(fake_machine, fw["lookup"]) == fw["path"]   # /lib -> usr/lib
     assert len(desc["binaries"]) == 6
     for binary in desc["binaries"]:
+        if binary["name"] == "nvidia-cuda-mps-control":      # a working stand-in (mps_control.c)
+            res = subprocess.run([fake_machine.host_path(binary["path"])], input="get_server_list\n", text=True,
+                                 capture_output=True, env={"CUDA_MPS_PIPE_DIRECTORY": str(fake_machine.base / "none")})
+            assert res.returncode == 1 and res.stderr == "Cannot find MPS control daemon process\n"
+            continue
         out = subprocess.run([fake_machine.host_path(binary["path"])], capture_output=True,
                              text=True, check=True).stdout
         assert out.startswith(binary["name"] + " ")
