@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from nvcontainer.config import load as config
 from nvcontainer.deviceplugin import settings
 from tests.test_docs import assert_documented, help_options, mentions, section
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "man" / "nvcontainer-device-plugin.1"
-MANIFEST = ROOT / "deploy" / "kubernetes" / "nvcontainer-device-plugin.yaml"
+MANIFEST = ROOT / "deploy" / "kubernetes" / "base" / "device-plugin.yaml"
 GUIDE = ROOT / "docs" / "engines" / "kubernetes.md"
 
 
@@ -41,19 +40,6 @@ def test_every_setting_is_documented_and_nothing_else():
 def test_the_guide_shows_the_manifest_file():
     manifest = MANIFEST.read_text()
     assert f"```yaml\n{manifest}```" in GUIDE.read_text()
-
-
-def test_the_manifest_s_configuration_is_accepted():
-    text = MANIFEST.read_text()
-    block = re.search(r"  config.toml: \|\n((?:    .*\n|\n)+)", text).group(1)
-    toml = "\n".join(line[4:] for line in block.splitlines())
-    cfg = config.parse(toml, "manifest")
-    dp = settings.parse(cfg.device_plugin)
-    assert cfg.root == "/host" and dp.device_list_strategy == ("cdi-cri", "cdi-annotations")
-    command = re.search(r"command: (\[.*\])", text).group(1)
-    assert "device-plugin" in command and "--config" in command
-    for path in ("/var/lib/kubelet/device-plugins", "/etc/nvcontainer-device-plugin", "/run/nvcontainer", "/host"):
-        assert f"mountPath: {path}" in text
 
 
 @pytest.mark.skipif(shutil.which("man") is None, reason="man is not installed")

@@ -154,6 +154,7 @@ def _gpu(g: dict, root: str, proc: str, caps_major: int | None) -> Gpu:
             ci_cap=devices.cap_node(root, caps_major, procfs.cap_minor(proc, ci_access)),
             name=m["name"],
             **_mig_geometry(m),
+            attributes=tuple((k, v) for k, v in m.get("attributes", ())),
         ))
     bus_id = f"{domain:08x}:{bus:02x}:{device:02x}.0"
     return Gpu(

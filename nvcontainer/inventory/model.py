@@ -55,6 +55,9 @@ class MigDevice:
     def profile(self) -> str:
         """The profile as nvidia-smi and NVML's name write it: ``1g.10gb``, ``1g.10gb+me``."""
         return self.name.rpartition(" MIG ")[2] if " MIG " in self.name else ""
+    # NVML's nvmlDeviceGetAttributes, by field: memory_mb, multiprocessors, slices_gi, slices_ci,
+    # copy_engines, decoders, encoders, jpegs, ofas (node labels); empty where NVML gave none
+    attributes: tuple[tuple[str, int], ...] = ()
 
 
 @record

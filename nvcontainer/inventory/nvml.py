@@ -223,6 +223,7 @@ def _migs(nv, h) -> list[dict]:
             a = nv.nvmlDeviceGetAttributes(m)
             mig["engines"] = [int(v) for v in (a.multiprocessorCount, a.sharedCopyEngineCount, a.sharedDecoderCount,
                                                a.sharedEncoderCount, a.sharedJpegCount, a.sharedOfaCount)]
+            mig["attributes"] = [[name, int(getattr(a, field))] for name, field in _ATTRIBUTES]   # node labels
         except nv.NVMLError:
             pass
         migs.append(mig)
@@ -235,6 +236,13 @@ def _memory(nv, handle) -> int:
         return int(nv.nvmlDeviceGetMemoryInfo(handle).total)
     except nv.NVMLError:
         return 0
+
+
+# nvmlDeviceAttributes_t's fields, as the inventory names them
+_ATTRIBUTES = (("memory_mb", "memorySizeMB"), ("multiprocessors", "multiprocessorCount"),
+               ("slices_gi", "gpuInstanceSliceCount"), ("slices_ci", "computeInstanceSliceCount"),
+               ("copy_engines", "sharedCopyEngineCount"), ("decoders", "sharedDecoderCount"),
+               ("encoders", "sharedEncoderCount"), ("jpegs", "sharedJpegCount"), ("ofas", "sharedOfaCount"))
 
 
 def _text(value) -> str:

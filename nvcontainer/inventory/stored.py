@@ -72,6 +72,12 @@ _GPU_FACTS = {"index": int, "minor": int, "name": str, "brand": int, "uuid": str
 _MIG_FACTS = {"index": int, "uuid": str, "name": str, "gi": int, "ci": int}
 
 
+def _attributes_ok(mig: dict) -> bool:
+    attributes = mig.get("attributes", [])
+    return type(attributes) is list and all(
+        type(a) is list and len(a) == 2 and type(a[0]) is str and type(a[1]) is int for a in attributes)
+
+
 def facts_ok(facts) -> bool:
     def typed(d, spec) -> bool:
         return isinstance(d, dict) and all(type(d.get(k)) is t for k, t in spec.items())
@@ -84,5 +90,7 @@ def facts_ok(facts) -> bool:
         if not all(type(v) is int for v in (*gpu["bus"], *gpu["cc"])):
             return False
         if not all(typed(m, _MIG_FACTS) for m in gpu["migs"]):
+            return False
+        if type(gpu.get("memory_mib", 0)) is not int or not all(map(_attributes_ok, gpu["migs"])):
             return False
     return True

@@ -13,6 +13,7 @@ import os
 import stat
 
 from ..errors import NvcError, escape
+from ..fs.replace import replace_at
 from ..request import oci
 
 
@@ -26,29 +27,10 @@ def write_back(path: str, data: bytes, old: os.stat_result) -> None:
         dfd = os.open(directory or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise NvcError("input", f"cannot open {escape(directory)}: {exc.strerror}") from None
-    tmp = f".{name}.nvcontainer-{os.urandom(6).hex()}"
+    owner = (old.st_uid, old.st_gid) if os.geteuid() == 0 else None
     try:
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        except OSError as exc:
-            raise NvcError("input", f"cannot write in {escape(directory)}: {exc.strerror}") from None
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                if os.geteuid() == 0:
-                    os.fchown(fd, old.st_uid, old.st_gid)
-                os.fchmod(fd, stat.S_IMODE(old.st_mode))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except OSError as exc:
-            try:
-                os.unlink(tmp, dir_fd=dfd)
-            except OSError:
-                pass
-            raise NvcError("input", f"cannot write {escape(path)}: {exc.strerror}") from None
+        replace_at(dfd, name, data, stat.S_IMODE(old.st_mode), owner)
+    except OSError as exc:
+        raise NvcError("input", f"cannot write {escape(path)}: {exc.strerror}") from None
     finally:
         os.close(dfd)
