@@ -188,7 +188,8 @@ class Held:
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
-                os.fsync(fd)
+                # no fsync: the file lives on /run (tmpfs) and is meant to end with the boot, as do
+                # the containers it names; rename alone is atomic against any process dying
             finally:
                 os.close(fd)
             os.rename(tmp, self.name, src_dir_fd=self.dfd, dst_dir_fd=self.dfd)
