@@ -15,7 +15,7 @@ import pytest
 
 from tests.fixtures import cri, dockerd, runtime
 from tests.fixtures.fakegpu import FakeSpec
-from tests.test_engines_setup import CHECKS, facts, machine, need, node, setup  # noqa: F401 (fixtures)
+from tests.test_engines_setup import CHECKS, cri_node, facts, machine, need, node, setup  # noqa: F401 (fixtures)
 from tests.test_cdi_podman import spec_dir  # noqa: F401 (a fixture: `cdi generate` for this module's machine)
 from tests.test_leases_e2e import ENXIO
 from tests.test_runtime_engines import Shim, run_runc
@@ -69,14 +69,7 @@ def test_podman_hooks_dir_free(machine, tmp_path):
 
 
 def test_containerd_cri_free(machine, node, tmp_path):
-    need("containerd", "ctr", "runc")
-    pytest.importorskip("grpc")
-    base = cri.prepare(tmp_path / "c")
-    prefix = tmp_path / "root"
-    main = prefix / "etc/containerd/config.toml"
-    main.parent.mkdir(parents=True)
-    main.write_text((base / "config.toml").read_text())
-    setup(node, prefix, "containerd", "--engine-version", "1.6.20")
+    base, main, prefix = cri_node(node, tmp_path)
     results, res = cri.run(machine, base, main, f"{prefix / 'etc'}:{node / 'etc'}", [
         {"name": "two", "handler": "nvidia", "env": ["NVIDIA_VISIBLE_DEVICES=free:2"], "script": CHECKS},
         {"name": "one", "handler": "nvidia", "env": ["NVIDIA_VISIBLE_DEVICES=free"], "script": CHECKS},
