@@ -12,16 +12,18 @@ from __future__ import annotations
 import sys
 import time
 
+from ..request.free import asked as leases_wanted
 from .client import OPTIONS
 from .usage import PROG, Usage, usage_status
 
 USAGE = f"""usage: {PROG} [--root PATH] [--ldcache FILE] [--debug FILE] [--user UID[:GID]] [--config FILE]
-                        [--socket PATH] [--dry-run] prestart|poststart|poststop
+                        [--socket PATH] [--dry-run] prestart|poststart|poststop|bind-lease
 
 Reads the OCI state on stdin and injects the GPUs the container's NVIDIA_VISIBLE_DEVICES asks for.
 --dry-run prints the plan as JSON ({{"gpu": false}} when the container asks for no GPU).
 --socket: where a resident `nvcontainer serve` listens (default /run/nvcontainer/hook.sock; '' for
 none); when one does, it does the run, with the same result, warm.
+bind-lease: binds the GPUs the runtime shim leased at create (CDI mode, free:N) to the container's init.
 
 CDI hooks (named in specs from `nvcontainer cdi generate`; see their --help):
        {PROG} create-symlinks|update-ldcache|disable-device-node-modification ...
@@ -90,14 +92,57 @@ def prestart(opts: dict, dry_run: bool) -> int:
     from ..plan.gather import options_from_config, plan_for
 
     rootfs = state.root or spec.rootfs
-    plan = plan_for(request, cfg, rootfs, state.pid, options_from_config(cfg))
-    if dry_run:
-        sys.stdout.write(plan.dumps())
-        return 0
-    from ..apply.execute import apply
+    leased = inventory = None
+    if dry_run and leases_wanted(request.devices):
+        from ..inventory.cache import cached_inventory
+        from ..leases.grant import preview
 
-    apply(plan, deadline=cfg.deadline - (time.monotonic() - started))
+        inventory = cached_inventory(cfg)
+        request = preview(request, inventory, cfg)
+    elif not dry_run and (cfg.exclusive_gpus or leases_wanted(request.devices)):
+        from ..inventory.cache import cached_inventory
+        from ..leases.grant import acquire
+
+        inventory = cached_inventory(cfg)
+        waited = time.monotonic()
+        leased = state.id or f"pid-{state.pid}"
+        request = acquire(request, inventory, cfg, leased, state.pid, state.bundle)
+        started += time.monotonic() - waited   # the wait for a GPU is not the run's deadline's
+    try:
+        plan = plan_for(request, cfg, rootfs, state.pid, options_from_config(cfg), inventory=inventory)
+        if dry_run:
+            sys.stdout.write(plan.dumps())
+            return 0
+        from ..apply.execute import apply
+
+        apply(plan, deadline=cfg.deadline - (time.monotonic() - started))
+    except BaseException:
+        if leased is not None:   # the container will not start: its GPUs are free again
+            from ..leases.grant import release
+
+            release(cfg, leased)
+        raise
     log.info("prestart done")
+    return 0
+
+
+BIND = "bind-lease"
+
+
+def bind_lease(opts: dict) -> int:
+    """``bind-lease``: the hook the runtime shim adds in CDI mode to a container whose GPUs it
+    leased at create (``free:N``), before the init existed: the lease is bound to the init now."""
+    from ..config import load as configuration
+    from .. import log
+    from ..leases.grant import bind
+    from ..request import oci
+
+    cfg = configuration.load(opts.get("config")).with_overrides(debug=opts.get("debug"))
+    if cfg.debug:
+        log.open_debug(cfg.debug)
+    state = oci.read_state_from_stdin()
+    lease = bind(cfg, state.id, state.pid)
+    log.info(f"bind-lease: {lease.holder() if lease else 'no pending lease'} for {state.id}")
     return 0
 
 
@@ -112,7 +157,7 @@ def run(argv: list[str]) -> int:
         return usage_status(exc, USAGE)
     if stage in ("poststart", "poststop"):
         return 0
-    if stage != "prestart":
+    if stage not in ("prestart", BIND):
         from ..errors import escape
 
         sys.stderr.write(f"{PROG}: input error: unknown stage {escape(stage)} (prestart, poststart or poststop)\n")
@@ -121,7 +166,7 @@ def run(argv: list[str]) -> int:
     from ..errors import escape
 
     try:
-        return prestart(opts, dry_run)
+        return bind_lease(opts) if stage == BIND else prestart(opts, dry_run)
     except NvcError as exc:
         return log.fail(exc, PROG)
     except Exception as exc:  # a bug of ours: still one line, never a traceback in the runtime's error

@@ -43,6 +43,9 @@ import time
 
 from .. import log
 from ..errors import NvcError
+from ..leases.grant import rehearse
+from ..leases.store import path_in
+from .leasewatch import RESCAN, LeaseWatch
 from .listen import adopt, listen
 from . import request
 from .request import become_request_child, handle
@@ -69,6 +72,8 @@ def preload() -> None:
     from ..cgroups import bpf, locate, rules, v1, v2  # noqa: F401
     from ..inventory import cache  # noqa: F401
     from ..plan import build, container, model  # noqa: F401
+    from ..leases import grant, liveness, store  # noqa: F401   (free:N and exclusive-gpus starts)
+    from ..request import free, placement  # noqa: F401
 
     # The hook path's patterns are strings that re compiles on first use (a cold hook matches
     # few of them); compiled here, into re's cache, every child finds them ready.
@@ -84,6 +89,7 @@ def warm(cfg) -> str:
     The hook's ``PATH`` is part of the entry's key, and a service manager's ``PATH`` is seldom
     the one registrations give hooks: warm this process's and the default registration's.
     A failure is reported and left to the requests to meet."""
+    global INVENTORY
     from ..inventory.cache import cached_inventory
     from ..inventory.catalog import DEFAULT_PATH
 
@@ -97,6 +103,7 @@ def warm(cfg) -> str:
             except NvcError as exc:
                 return f"inventory not ready: {exc.detail}"
             status = f"inventory ready: driver {inventory.driver_version}, {len(inventory.gpus)} GPU(s)"
+            INVENTORY = inventory
     finally:
         if own is None:
             os.environ.pop("PATH", None)
@@ -146,6 +153,10 @@ class _Spare:
         self.pid, self.pidfd, self.notify = pid, pidfd, notify
 
 
+LEASES: str | None = None   # the lease file of the server's configuration, rehearsed by spares
+INVENTORY = None            # the inventory warm() parsed, for the same
+
+
 def serve(path: str, cfg, *, ready=None, spare: bool = True) -> int:
     """Serve until SIGTERM or SIGINT. ``ready`` (a callable) is told once requests are taken.
 
@@ -160,7 +171,9 @@ def serve(path: str, cfg, *, ready=None, spare: bool = True) -> int:
         status = warm(cfg)
         log.info(status)
         _prepare_ldconfig(cfg)
-        return _loop(sock, status, ready, spare)
+        global LEASES
+        LEASES = path_in(cfg.cache_dir)
+        return _loop(sock, status, ready, spare, LeaseWatch(LEASES))
     finally:
         sock.close()
         try:
@@ -171,7 +184,7 @@ def serve(path: str, cfg, *, ready=None, spare: bool = True) -> int:
             pass
 
 
-def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
+def _loop(sock: socket.socket, status: str, ready, use_spare: bool, leases: LeaseWatch) -> int:
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     stopping: list[int] = []
 
@@ -189,6 +202,7 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
     idle_since: float | None = time.monotonic() - SPARE_DELAY   # nothing has run yet: fork one at once
     # Everything imported so far lives as long as the server: keep it out of the collector's
     # walks, here and in every child, whose pages then stay shared.
+    leases.start()
     gc.collect()
     gc.freeze()
     sys.stdout.flush()
@@ -201,7 +215,8 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
             # flight, or beside the start it was for, takes CPU from them; until there is a
             # spare, connections are accepted here, one fork each. From the fork until the
             # spare takes a connection no other request runs: only the spare accepts.
-            timeout = None
+            leases.refresh()
+            timeout = RESCAN if leases.enabled else None
             if children:
                 idle_since = None
             elif idle_since is None:
@@ -211,8 +226,10 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
                 if wait <= 0:
                     spare = _fork_spare(sock)
                 else:
-                    timeout = wait
+                    timeout = wait if timeout is None else min(timeout, wait)
             poller = select.poll()
+            for fd in leases.fds():
+                poller.register(fd, select.POLLIN)
             poller.register(wake_r, select.POLLIN)
             poller.register(learn_r.fileno(), select.POLLIN)
             if spare is not None:   # the spare accepts; this process does only without one
@@ -251,6 +268,8 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
                     _accept(sock, children)
                 elif fd in children:
                     _reap(fd, children)
+                elif leases.fired(fd):
+                    pass
                 elif fd in by_conn and what & (select.POLLHUP | select.POLLERR) and by_conn[fd] in children:
                     children[by_conn[fd]].gone = time.monotonic()
             # A client hangs up once it has its answer, and a child that answered exits at once:
@@ -274,6 +293,7 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
             select.select([pidfd], [], [], 5.0)   # let a request in flight finish
             _kill(req.pid)
             _reap(pidfd, children)
+        leases.close()
         os.close(wake_r)
         os.close(wake_w)
         learn_r.close()
@@ -407,6 +427,8 @@ def _spare_child(sock: socket.socket, notify: socket.socket) -> int:
     standby.standby()
     if prewarm.LEARNED is not None:
         log.info(f"spare {os.getpid()}: warmed {prewarm.own_pages(client_waiting, prewarm.LEARNED) >> 10} KiB")
+    if LEASES is not None and not client_waiting():
+        rehearse(LEASES, INVENTORY)
     while True:
         select.select([sock], [], [])   # the server going away kills this child (PDEATHSIG)
         try:
