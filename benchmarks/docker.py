@@ -112,18 +112,19 @@ int main(int argc, char **argv) {
 }
 """
 
-# argv: base, daemon.json, /etc layer, python for `serve`, driver root, rounds, then the arms as
+# argv: base, daemon.json, /etc layer, python for `serve`, its configuration, rounds, then the arms as
 # NAME ARG... separated by "--next". Prints "T <arm> <round> <ms> <rc>" per run.
 SCRIPT = r"""
 set -e
-base=$1 daemon=$2 etc=$3 python=$4 serve_root=$5 rounds=$6
+base=$1 daemon=$2 etc=$3 python=$4 serve_config=$5 rounds=$6
 shift 6
 mount -t tmpfs -o mode=755 nvc-run /run
 mkdir -p "$base/etc-upper" "$base/etc-work"
 mount -t overlay nvc-etc -o "lowerdir=$etc:/etc,upperdir=$base/etc-upper,workdir=$base/etc-work" /etc
 mkdir -m 700 /run/nvcontainer
-"$python" -m nvcontainer --root "$serve_root" serve --socket /run/nvcontainer/hook.sock 2> "$base/serve.err" &
+"$python" -m nvcontainer --config "$serve_config" serve --socket /run/nvcontainer/hook.sock 2> "$base/serve.err" &
 for i in $(seq 100); do [ -S /run/nvcontainer/hook.sock ] && break; sleep 0.1; done
+[ -S /run/nvcontainer/hook.sock ] || { echo "E serve"; cat "$base/serve.err"; exit 1; }
 dockerd --config-file "$daemon" --data-root "$base/data" --exec-root /run/docker --pidfile "$base/docker.pid" \
     -H "unix://$base/d.sock" --bridge none --iptables=false --ip6tables=false --ip-masq=false \
     --storage-driver vfs --userland-proxy=false --exec-opt native.cgroupdriver=cgroupfs \
@@ -169,14 +170,18 @@ def chain(base: Path, real: Path | str) -> Path:
     return program
 
 
-def shim_config(path: Path, machine, hook: Path) -> Path:
-    path.write_text(f'[nvidia-container-cli]\nroot = "{machine.root}"\n'
-                    f'[nvidia-container-runtime]\nruntimes = ["runc"]\n'
+def shim_config(path: Path, machine, hook: Path, debug: Path | None = None) -> Path:
+    """The shim's configuration; with ``debug``, the shim's and the hook's traces (timestamped
+    lines) go to ``debug/<name>-runtime.log`` and ``-hook.log``."""
+    cli_debug = f'debug = "{debug / path.stem}-hook.log"\n' if debug else ""
+    runtime_debug = f'debug = "{debug / path.stem}-runtime.log"\n' if debug else ""
+    path.write_text(f'[nvidia-container-cli]\nroot = "{machine.root}"\n{cli_debug}'
+                    f'[nvidia-container-runtime]\nruntimes = ["runc"]\n{runtime_debug}'
                     f'[nvidia-container-runtime-hook]\npath = "{hook}"\n')
     return path
 
 
-def setup(base: Path, ws, machine, tarball: Path) -> tuple[Path, Path, dict[str, list[str]], str]:
+def setup(base: Path, ws, machine, tarball: Path, debug: Path | None = None) -> tuple[Path, Path, dict[str, list[str]], str]:
     """(daemon.json, /etc layer, arm -> docker run arguments, what NVIDIA's arm is)."""
     node = base / "node"
     node.mkdir()
@@ -185,7 +190,7 @@ def setup(base: Path, ws, machine, tarball: Path) -> tuple[Path, Path, dict[str,
     fronts = {}
     for arm, real in (("served", ws.native_client), ("inprocess", ws.hook)):
         hook = chain(node / f"hook-{arm}", real)
-        config = shim_config(node / f"{arm}.toml", machine, hook)
+        config = shim_config(node / f"{arm}.toml", machine, hook, debug)
         front = node / arm / "nvidia-container-runtime"
         front.parent.mkdir()
         native.build_runtime(str(front), str(ws.python), str(config))
@@ -223,7 +228,7 @@ def run_world(base: Path, ws, machine, daemon: Path, etc: Path, arms: dict, roun
     argv = []
     for i, (arm, args) in enumerate(arms.items()):
         argv += (["--next"] if i else []) + [arm, *args]
-    inner = ["bash", "-c", SCRIPT, "bash", str(base), str(daemon), str(etc), str(ws.python), str(machine.root),
+    inner = ["bash", "-c", SCRIPT, "bash", str(base), str(daemon), str(etc), str(ws.python), str(base / "node" / "served.toml"),
              str(rounds), *argv]
     outer = ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--propagation", "private", "--",
              *fake_proc_command(machine, inner)]
@@ -246,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--anchors", type=Path, default=nvidia.TARBALL,
                         help=f"NVIDIA's tools (default {nvidia.TARBALL}; a worktree names the lead's)")
+    parser.add_argument("--debug", type=Path, help="a directory for the shim's and our hook's traces (timestamps "
+                        "per step; they cost time, so the figures of such a run are not the record's)")
     args = parser.parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="nvc-bench-docker-"))
     base.chmod(0o755)
@@ -254,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         ws = workspace.create(base / "ws")
         machine = ws.machine("fast", FakeSpec(gpus=2, decoys=False))
         dockerd.prepare(base)
-        daemon, etc, arms, about = setup(base, ws, machine, args.anchors)
+        daemon, etc, arms, about = setup(base, ws, machine, args.anchors, args.debug)
+        if args.debug:
+            args.debug.mkdir(parents=True, exist_ok=True)
+            args.out = args.debug
         samples, errors = run_world(base, ws, machine, daemon, etc, arms, args.runs + 1)
         load_end = os.getloadavg()
         first = {arm: next(((ms, rc) for r, ms, rc in s if r == 0), None) for arm, s in samples.items()}
