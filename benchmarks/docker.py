@@ -41,13 +41,10 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 from nvcontainer.native import build as native
 from tests.fixtures import dockerd
-from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.fakegpu.runner import fake_proc_command
 
 from . import nvidia, stats, workspace
@@ -125,13 +122,7 @@ mkdir -m 700 /run/nvcontainer
 "$python" -m nvcontainer --config "$serve_config" serve --socket /run/nvcontainer/hook.sock 2> "$base/serve.err" &
 for i in $(seq 100); do [ -S /run/nvcontainer/hook.sock ] && break; sleep 0.1; done
 [ -S /run/nvcontainer/hook.sock ] || { echo "E serve"; cat "$base/serve.err"; exit 1; }
-dockerd --config-file "$daemon" --data-root "$base/data" --exec-root /run/docker --pidfile "$base/docker.pid" \
-    -H "unix://$base/d.sock" --bridge none --iptables=false --ip6tables=false --ip-masq=false \
-    --storage-driver vfs --userland-proxy=false --exec-opt native.cgroupdriver=cgroupfs \
-    > "$base/dockerd.log" 2>&1 &
-daemon_pid=$!
-for i in $(seq 300); do [ -S "$base/d.sock" ] && docker -H "unix://$base/d.sock" info > /dev/null 2>&1 && break; sleep 0.1; done
-docker -H "unix://$base/d.sock" import "$base/image.tar" nvc/busybox:test > /dev/null
+""" + dockerd.START + r"""docker -H "unix://$base/d.sock" import "$base/image.tar" nvc/busybox:test > /dev/null
 set +e
 names=() cmds=()
 cmd=() name=
@@ -254,12 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", type=Path, help="a directory for the shim's and our hook's traces (timestamps "
                         "per step; they cost time, so the figures of such a run are not the record's)")
     args = parser.parse_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="nvc-bench-docker-"))
-    base.chmod(0o755)
+    load_start = os.getloadavg()
+    ws, machine = workspace.with_machine("nvc-bench-docker-")
+    base = ws.base.parent
     try:
-        load_start = os.getloadavg()
-        ws = workspace.create(base / "ws")
-        machine = ws.machine("fast", FakeSpec(gpus=2, decoys=False))
         dockerd.prepare(base)
         daemon, etc, arms, about = setup(base, ws, machine, args.anchors, args.debug)
         if args.debug:
@@ -295,18 +284,14 @@ def main(argv: list[str] | None = None) -> int:
             o = over.get(arm)
             lines.append(f"{arm:<14}{first[arm][0]:9.1f}{m['median']:9.1f}{m['p95']:9.1f}{m['min']:9.1f}"
                          f"{m['max']:9.1f}{'' if o is None else f'{o:+11.1f}'}")
-        for arm in ("served", "inprocess"):
-            if ratio[arm] is not None:
-                lines.append(f"{arm} overhead / NVIDIA's: {ratio[arm]:.2f}x (target <= {RATIO_TARGET}x: "
-                             f"{'met' if ratio[arm] <= RATIO_TARGET else 'NOT MET'})")
-        nogpu = over["shim-nogpu"]
-        lines.append(f"no GPU through the shim over runc: {nogpu:+.1f} ms (target <= {NOGPU_TARGET_MS} ms: "
-                     f"{'met' if nogpu <= NOGPU_TARGET_MS else 'NOT MET'})")
+        verdicts = [(f"{arm} overhead / NVIDIA's", f"{ratio[arm]:.2f}x", ratio[arm], RATIO_TARGET, "x")
+                    for arm in ("served", "inprocess") if ratio[arm] is not None]
+        verdicts.append(("no GPU through the shim over runc", f"{over['shim-nogpu']:+.1f} ms", over["shim-nogpu"],
+                         NOGPU_TARGET_MS, " ms"))
+        lines += [f"{what}: {shown} (target <= {limit}{unit}: {'met' if value <= limit else 'NOT MET'})"
+                  for what, shown, value, limit, unit in verdicts]
         sys.stdout.write("\n".join(lines) + "\n")
-        args.out.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(record, indent=1)
-        (args.out / f"docker-{time.strftime('%Y%m%dT%H%M%S')}.json").write_text(text)
-        (args.out / "docker-latest.json").write_text(text)
+        workspace.save(args.out, "docker", record)
         return 0
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -31,11 +31,9 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.fakegpu.runner import fake_proc_command
 
 from . import stats, workspace
@@ -138,12 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="nvc-bench-shimprofile-"))
-    base.chmod(0o755)
+    load_start = os.getloadavg()
+    ws, machine = workspace.with_machine("nvc-bench-shimprofile-")
+    base = ws.base.parent
     try:
-        load_start = os.getloadavg()
-        ws = workspace.create(base / "ws")
-        machine = ws.machine("fast", FakeSpec(gpus=2, decoys=False))
         config = base / "config.toml"
         config.write_text(f'[nvidia-container-cli]\nroot = "{machine.root}"\n'
                           f'[nvidia-container-runtime]\nruntimes = ["runc"]\n'
@@ -187,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in data["importtime_self"][:12]:
             lines.append(f"  {row['self_us']:8d} {row['module']}")
         sys.stdout.write("\n".join(lines) + "\n")
-        args.out.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(record, indent=1)
-        (args.out / f"shimprofile-{time.strftime('%Y%m%dT%H%M%S')}.json").write_text(text)
-        (args.out / "shimprofile-latest.json").write_text(text)
+        workspace.save(args.out, "shimprofile", record)
         return 0
     finally:
         shutil.rmtree(base, ignore_errors=True)
