@@ -28,7 +28,8 @@ directory in the container and then executes the real hook with the same state (
 ``mkdir-proc-driver``, made to chain).
 
 The first start of each arm after dockerd came up is reported apart and kept out of the
-statistics. Results: ``benchmarks/results/docker-<time>.json`` and ``docker-latest.json``, with the
+statistics; the arm that goes first (``--first``, default runc) has the daemon's very first
+container. Results: ``benchmarks/results/docker-<time>.json`` and ``docker-latest.json``, with the
 load average before and after (these machines are shared).
 """
 
@@ -242,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--anchors", type=Path, default=nvidia.TARBALL,
                         help=f"NVIDIA's tools (default {nvidia.TARBALL}; a worktree names the lead's)")
+    parser.add_argument("--first", default="runc", help="the arm that runs first after dockerd came up, whose "
+                        "'first' is the daemon's very first container (default runc)")
     parser.add_argument("--debug", type=Path, help="a directory for the shim's and our hook's traces (timestamps "
                         "per step; they cost time, so the figures of such a run are not the record's)")
     args = parser.parse_args(argv)
@@ -251,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dockerd.prepare(base)
         daemon, etc, arms, about = setup(base, ws, machine, args.anchors, args.debug)
+        if args.first not in arms:
+            parser.error(f"--first: no arm {args.first!r} (arms: {', '.join(arms)})")
+        arms = {args.first: arms[args.first], **arms}
         if args.debug:
             args.debug.mkdir(parents=True, exist_ok=True)
             args.out = args.debug
@@ -270,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                         "python": sys.version.split()[0], "docker": _version(["dockerd", "--version"]),
                         "runc": _version(["runc", "--version"]), "loadavg_start": load_start,
                         "loadavg_end": load_end},
-            "runs": args.runs, "nvidia_arm": about, "first_start": first,
+            "runs": args.runs, "nvidia_arm": about, "first_start": first, "first_arm": args.first,
             "arms": {arm: {"summary": stats.summary(s), "ms": s} for arm, s in timed.items()},
             "over_runc_ms": over, "ratio_to_nvidia": ratio,
             "targets": {"served": f"<= {RATIO_TARGET}x", "inprocess": f"<= {RATIO_TARGET}x",
