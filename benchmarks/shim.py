@@ -131,10 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"the front per call (in front of /bin/true, paired median of {len(floor['true'])}): "
                      f"{per_call_ms:.3f} ms; x{len(STEPS)} calls = {per_call_ms * len(STEPS):.2f} ms per lifecycle")
         sys.stdout.write("\n".join(lines) + "\n")
-        args.out.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(record, indent=1)
-        (args.out / f"shim-{time.strftime('%Y%m%dT%H%M%S')}.json").write_text(text)
-        (args.out / "shim-latest.json").write_text(text)
+        workspace.save(args.out, "shim", record)
         return 0
     finally:
         subprocess.run(["sh", "-c", f"for c in $(runc --root {base}/state list -q 2>/dev/null); do "

@@ -26,6 +26,8 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,3 +256,21 @@ def remove(base: Path) -> None:
 def world_python_env() -> dict:
     """Environment for the process that runs inside a fake machine's /proc view."""
     return dict(os.environ, PYTHONPATH=str(REPO))
+
+
+def save(out: Path, name: str, record: dict) -> None:
+    """A benchmark's record as ``out/<name>-<local time>.json`` and ``out/<name>-latest.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(record, indent=1)
+    (out / f"{name}-{time.strftime('%Y%m%dT%H%M%S')}.json").write_text(text)
+    (out / f"{name}-latest.json").write_text(text)
+
+
+def with_machine(prefix: str) -> tuple[Workspace, FakeMachine]:
+    """A workspace in a fresh temporary directory named ``prefix...`` (0755: the NVML helper
+    reads below it) and the fast 2-GPU fake machine in it; ``ws.base.parent`` is for the
+    caller's own files and is the one to remove."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+    base.chmod(0o755)
+    ws = create(base / "ws")
+    return ws, ws.machine("fast", FakeSpec(gpus=2, decoys=False))

@@ -1,0 +1,314 @@
+"""Docker's ``--runtime=nvidia`` (issue 27, target 4): ``docker run --rm`` of busybox ``true``
+under a private dockerd on the fake GPU machine, each runtime beside plain runc, alternating.
+
+    .venv/bin/python -m benchmarks.docker [--runs N]      # as root, from the repository root
+
+Why a benchmark of its own: NVIDIA's install guide registers ``nvidia-container-runtime`` with
+Docker, so every GPU ``create`` runs the shim's Python half (an interpreter start, the
+configuration, the inventory, the spec edit and its atomic write) before runc and then the hook;
+what a user feels is the whole ``docker run``, daemon, containerd shim and all. One dockerd
+(``tests/fixtures/dockerd.py``'s private daemon: its own data root, ``/run`` tmpfs, PID and
+mount namespaces, vfs, no network) serves every arm, so the daemon's cost cancels out. Arms, in
+each round in turn (the order rotates round by round):
+
+* ``runc``: plain runc, the default runtime;
+* ``shim-nogpu``: ``--runtime=nvidia`` without a GPU request (the native front alone);
+* ``served``: ``--runtime=nvidia -e NVIDIA_VISIBLE_DEVICES=0``, the shim registered as
+  ``nvcontainer setup docker`` writes it (``runtimes.nvidia.path``), its hook the native client
+  of the resident ``nvcontainer serve``;
+* ``inprocess``: the same with the shim configured with the in-process hook (``nvcontainer-hook``);
+* ``nvidia`` / ``nvidia-nogpu``: NVIDIA's runtime 1.17.9 (legacy mode) + hook + cli 1.17.0 from
+  ``../shared/anchors`` (benchmarks/nvidia.py), with and without the GPU; left out, and said so,
+  without the tarball.
+
+Every container gets ``--tmpfs /proc/driver`` (runc's included, so it cancels): the fake
+machine's containers have no ``/proc/driver/nvidia``, which a real driver's procfs has and both
+hooks mount over; each GPU hook is registered behind a tiny static program that makes that
+directory in the container and then executes the real hook with the same state (workspace.py's
+``mkdir-proc-driver``, made to chain).
+
+The first start of each arm after dockerd came up is reported apart and kept out of the
+statistics; the arm that goes first (``--first``, default runc) has the daemon's very first
+container. Results: ``benchmarks/results/docker-<time>.json`` and ``docker-latest.json``, with the
+load average before and after (these machines are shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from nvcontainer.native import build as native
+from tests.fixtures import dockerd
+from tests.fixtures.fakegpu.runner import fake_proc_command
+
+from . import nvidia, stats, workspace
+
+RESULTS = workspace.REPO / "benchmarks" / "results"
+RATIO_TARGET = 0.5    # our GPU start's overhead over runc / NVIDIA's
+NOGPU_TARGET_MS = 2.0
+
+# The state on stdin: make <root>/proc/driver/nvidia in the container's mount namespace (in a
+# child: this process must not stay there), then execute REAL with the same argv and state.
+CHAIN_C = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static char state[65536], spec[1 << 20];
+int main(int argc, char **argv) {
+    ssize_t n, used = 0, got = 0;
+    (void)argc;
+    while ((n = read(0, state + used, sizeof state - 1 - used)) > 0) used += n;
+    state[used] = 0;
+    char *pid = strstr(state, "\"pid\":"), *bundle = strstr(state, "\"bundle\":\"");
+    if (!pid || !bundle) return 2;
+    char path[4096], root[4096], ns[64];
+    bundle += 10;
+    char *end = strchr(bundle, '"');
+    if (!end) return 2;
+    snprintf(path, sizeof path, "%.*s/config.json", (int)(end - bundle), bundle);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return 2;
+    while ((n = read(fd, spec + got, sizeof spec - 1 - got)) > 0) got += n;
+    close(fd);
+    char *r = strstr(spec, "\"root\":{\"path\":\"");
+    if (!r) return 2;
+    r += 16;
+    char *rend = strchr(r, '"');
+    if (!rend) return 2;
+    if (*r == '/') snprintf(root, sizeof root, "%.*s", (int)(rend - r), r);
+    else snprintf(root, sizeof root, "%.*s/%.*s", (int)(end - bundle), bundle, (int)(rend - r), r);
+    snprintf(ns, sizeof ns, "/proc/%ld/ns/mnt", strtol(pid + 6, NULL, 10));
+    pid_t child = fork();
+    if (child == 0) {
+        int nsfd = open(ns, O_RDONLY);
+        if (nsfd < 0 || setns(nsfd, CLONE_NEWNS) < 0) _exit(3);
+        snprintf(path, sizeof path, "%s/proc/driver/nvidia", root);
+        _exit(mkdir(path, 0555) == 0 ? 0 : 4);
+    }
+    int status;
+    if (child < 0 || waitpid(child, &status, 0) < 0 || status != 0) return 3;
+    int p[2];
+    if (pipe(p) < 0 || write(p[1], state, used) != used) return 5;
+    close(p[1]);
+    dup2(p[0], 0);
+    close(p[0]);
+    execv(REAL, argv);
+    return 127;
+}
+"""
+
+# argv: base, daemon.json, /etc layer, python for `serve`, its configuration, rounds, then the arms as
+# NAME ARG... separated by "--next". Prints "T <arm> <round> <ms> <rc>" per run.
+SCRIPT = r"""
+set -e
+base=$1 daemon=$2 etc=$3 python=$4 serve_config=$5 rounds=$6
+shift 6
+mount -t tmpfs -o mode=755 nvc-run /run
+mkdir -p "$base/etc-upper" "$base/etc-work"
+mount -t overlay nvc-etc -o "lowerdir=$etc:/etc,upperdir=$base/etc-upper,workdir=$base/etc-work" /etc
+mkdir -m 700 /run/nvcontainer
+"$python" -m nvcontainer --config "$serve_config" serve --socket /run/nvcontainer/hook.sock 2> "$base/serve.err" &
+for i in $(seq 100); do [ -S /run/nvcontainer/hook.sock ] && break; sleep 0.1; done
+[ -S /run/nvcontainer/hook.sock ] || { echo "E serve"; cat "$base/serve.err"; exit 1; }
+""" + dockerd.START + r"""docker -H "unix://$base/d.sock" import "$base/image.tar" nvc/busybox:test > /dev/null
+set +e
+names=() cmds=()
+cmd=() name=
+for a in "$@" --next; do
+    if [ "$a" = --next ]; then names+=("$name"); cmds+=("$(printf '%q ' "${cmd[@]}")"); cmd=() name=
+    elif [ -z "$name" ]; then name=$a
+    else cmd+=("$a"); fi
+done
+n=${#names[@]}
+for ((r = 0; r < rounds; r++)); do
+    for ((k = 0; k < n; k++)); do
+        i=$(( (k + r) % n ))
+        t0=$EPOCHREALTIME
+        eval "docker -H unix://$base/d.sock run --rm --network none --tmpfs /proc/driver:mode=755 ${cmds[i]}" \
+            > "$base/out" 2>&1
+        rc=$?
+        t1=$EPOCHREALTIME
+        echo "T ${names[i]} $r $(( (${t1/./} - ${t0/./}) )) $rc"
+        [ $rc = 0 ] || { echo "E ${names[i]}"; head -c 600 "$base/out"; echo; }
+    done
+done
+kill $daemon_pid; wait $daemon_pid 2>/dev/null
+exit 0
+"""
+
+
+def chain(base: Path, real: Path | str) -> Path:
+    """``base/nvidia-container-runtime-hook``: :data:`CHAIN_C` built to execute ``real`` (the name
+    a hook front answers to, as argv[0] goes through)."""
+    base.mkdir(parents=True, exist_ok=True)
+    source = base / "chain.c"
+    source.write_text(CHAIN_C)
+    program = base / "nvidia-container-runtime-hook"
+    cc = shutil.which("musl-gcc") or "gcc"
+    subprocess.run([cc, "-static", "-O2", f'-DREAL="{real}"', "-o", str(program), str(source)], check=True)
+    return program
+
+
+def shim_config(path: Path, machine, hook: Path, debug: Path | None = None) -> Path:
+    """The shim's configuration; with ``debug``, the shim's and the hook's traces (timestamped
+    lines) go to ``debug/<name>-runtime.log`` and ``-hook.log``."""
+    cli_debug = f'debug = "{debug / path.stem}-hook.log"\n' if debug else ""
+    runtime_debug = f'debug = "{debug / path.stem}-runtime.log"\n' if debug else ""
+    path.write_text(f'[nvidia-container-cli]\nroot = "{machine.root}"\n{cli_debug}'
+                    f'[nvidia-container-runtime]\nruntimes = ["runc"]\n{runtime_debug}'
+                    f'[nvidia-container-runtime-hook]\npath = "{hook}"\n')
+    return path
+
+
+def setup(base: Path, ws, machine, tarball: Path, debug: Path | None = None) -> tuple[Path, Path, dict[str, list[str]], str]:
+    """(daemon.json, /etc layer, arm -> docker run arguments, what NVIDIA's arm is)."""
+    node = base / "node"
+    node.mkdir()
+    etc = base / "etc"
+    (etc / "nvidia-container-runtime").mkdir(parents=True)
+    fronts = {}
+    for arm, real in (("served", ws.native_client), ("inprocess", ws.hook)):
+        hook = chain(node / f"hook-{arm}", real)
+        config = shim_config(node / f"{arm}.toml", machine, hook, debug)
+        front = node / arm / "nvidia-container-runtime"
+        front.parent.mkdir()
+        native.build_runtime(str(front), str(ws.python), str(config))
+        fronts[arm] = front
+    # what `nvcontainer setup docker` writes (tests/test_engines_setup.py checks that form), and
+    # one more runtime for the in-process configuration
+    runtimes = {"nvidia": {"path": str(fronts["served"])}, "nvidia-inprocess": {"path": str(fronts["inprocess"])}}
+    image = dockerd.IMAGE
+    gpu = ["-e", "NVIDIA_VISIBLE_DEVICES=0"]
+    arms = {"runc": [image, "true"],
+            "shim-nogpu": ["--runtime=nvidia", image, "true"],
+            "served": ["--runtime=nvidia", *gpu, image, "true"],
+            "inprocess": ["--runtime=nvidia-inprocess", *gpu, image, "true"]}
+    entry = nvidia.hook_entry(base, machine, tarball)
+    if entry is None:
+        about = f"NVIDIA's arm left out: {tarball} is not there"
+    else:
+        top = base / "nvidia" / "nvidia-anchors"
+        hook = chain(node / "hook-nvidia", entry["path"])
+        # NVIDIA's runtime and hook read /etc/nvidia-container-runtime/config.toml (the /etc layer)
+        config = nvidia.write_config(etc / "nvidia-container-runtime" / "config.toml", base / "nvidia" /
+                                     "nvidia-container-cli", f"{top}/lib", root=str(machine.root), legacy=True)
+        with open(config, "a") as f:
+            f.write(f'[nvidia-container-runtime-hook]\npath = "{hook}"\n')
+        runtimes["nvidia-toolkit"] = {"path": str(top / "bin" / "nvidia-container-runtime")}
+        arms["nvidia"] = ["--runtime=nvidia-toolkit", *gpu, image, "true"]
+        arms["nvidia-nogpu"] = ["--runtime=nvidia-toolkit", image, "true"]
+        about = "NVIDIA's runtime 1.17.9 (legacy mode) + hook 1.17.9 + cli 1.17.0, ../shared/anchors"
+    daemon = base / "daemon.json"
+    daemon.write_text(json.dumps({"runtimes": runtimes}))
+    return daemon, etc, arms, about
+
+
+def run_world(base: Path, ws, machine, daemon: Path, etc: Path, arms: dict, rounds: int) -> tuple[dict, str]:
+    argv = []
+    for i, (arm, args) in enumerate(arms.items()):
+        argv += (["--next"] if i else []) + [arm, *args]
+    inner = ["bash", "-c", SCRIPT, "bash", str(base), str(daemon), str(etc), str(ws.python), str(base / "node" / "served.toml"),
+             str(rounds), *argv]
+    outer = ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--propagation", "private", "--",
+             *fake_proc_command(machine, inner)]
+    env = {"PATH": workspace.SERVER_ENV["PATH"], "HOME": str(base)}
+    res = subprocess.run(outer, capture_output=True, text=True, env=env, timeout=3600)
+    samples: dict[str, list[tuple[int, float, int]]] = {arm: [] for arm in arms}
+    errors = []
+    for line in res.stdout.splitlines():
+        if line.startswith("T "):
+            _, arm, rnd, us, rc = line.split()
+            samples[arm].append((int(rnd), int(us) / 1000, int(rc)))
+        elif line.strip():
+            errors.append(line)
+    return samples, "\n".join(errors[-20:]) + res.stderr[-2000:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.docker", description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20, help="timed runs per arm, after the first (default 20)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--anchors", type=Path, default=nvidia.TARBALL,
+                        help=f"NVIDIA's tools (default {nvidia.TARBALL}; a worktree names the lead's)")
+    parser.add_argument("--first", default="runc", help="the arm that runs first after dockerd came up, whose "
+                        "'first' is the daemon's very first container (default runc)")
+    parser.add_argument("--debug", type=Path, help="a directory for the shim's and our hook's traces (timestamps "
+                        "per step; they cost time, so the figures of such a run are not the record's)")
+    args = parser.parse_args(argv)
+    load_start = os.getloadavg()
+    ws, machine = workspace.with_machine("nvc-bench-docker-")
+    base = ws.base.parent
+    try:
+        dockerd.prepare(base)
+        daemon, etc, arms, about = setup(base, ws, machine, args.anchors, args.debug)
+        if args.first not in arms:
+            parser.error(f"--first: no arm {args.first!r} (arms: {', '.join(arms)})")
+        arms = {args.first: arms[args.first], **arms}
+        if args.debug:
+            args.debug.mkdir(parents=True, exist_ok=True)
+            args.out = args.debug
+        samples, errors = run_world(base, ws, machine, daemon, etc, arms, args.runs + 1)
+        load_end = os.getloadavg()
+        first = {arm: next(((ms, rc) for r, ms, rc in s if r == 0), None) for arm, s in samples.items()}
+        failed = {arm: sum(1 for _, _, rc in s if rc) for arm, s in samples.items()}
+        timed = {arm: [ms for r, ms, _ in s if r > 0] for arm, s in samples.items()}
+        if any(failed.values()) or any(len(s) != args.runs for s in timed.values()):
+            sys.stderr.write(f"benchmarks.docker: failed runs {failed}\n{errors}\n{dockerd.log(base)[-1500:]}\n")
+            return 1
+        over = {arm: stats.paired_median(s, timed["runc"]) for arm, s in timed.items() if arm != "runc"}
+        ratio = {arm: (over[arm] / over["nvidia"] if "nvidia" in over and over["nvidia"] > 0 else None)
+                 for arm in ("served", "inprocess")}
+        record = {
+            "machine": {"cpu": platform.processor() or "?", "cpus": os.cpu_count(), "kernel": platform.release(),
+                        "python": sys.version.split()[0], "docker": _version(["dockerd", "--version"]),
+                        "runc": _version(["runc", "--version"]), "loadavg_start": load_start,
+                        "loadavg_end": load_end},
+            "runs": args.runs, "nvidia_arm": about, "first_start": first, "first_arm": args.first,
+            "arms": {arm: {"summary": stats.summary(s), "ms": s} for arm, s in timed.items()},
+            "over_runc_ms": over, "ratio_to_nvidia": ratio,
+            "targets": {"served": f"<= {RATIO_TARGET}x", "inprocess": f"<= {RATIO_TARGET}x",
+                        "shim-nogpu": f"<= {NOGPU_TARGET_MS} ms"},
+        }
+        lines = [f"docker run --rm busybox true, {args.runs} runs per arm after the first, alternating; "
+                 f"load {load_start[0]:.1f} -> {load_end[0]:.1f}; {about}",
+                 f"{'arm':<14}{'first':>9}{'median':>9}{'p95':>9}{'min':>9}{'max':>9}{'over runc':>11}"]
+        for arm, s in timed.items():
+            m = stats.summary(s)
+            o = over.get(arm)
+            lines.append(f"{arm:<14}{first[arm][0]:9.1f}{m['median']:9.1f}{m['p95']:9.1f}{m['min']:9.1f}"
+                         f"{m['max']:9.1f}{'' if o is None else f'{o:+11.1f}'}")
+        verdicts = [(f"{arm} overhead / NVIDIA's", f"{ratio[arm]:.2f}x", ratio[arm], RATIO_TARGET, "x")
+                    for arm in ("served", "inprocess") if ratio[arm] is not None]
+        verdicts.append(("no GPU through the shim over runc", f"{over['shim-nogpu']:+.1f} ms", over["shim-nogpu"],
+                         NOGPU_TARGET_MS, " ms"))
+        lines += [f"{what}: {shown} (target <= {limit}{unit}: {'met' if value <= limit else 'NOT MET'})"
+                  for what, shown, value, limit, unit in verdicts]
+        sys.stdout.write("\n".join(lines) + "\n")
+        workspace.save(args.out, "docker", record)
+        return 0
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _version(argv: list[str]) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True).stdout.splitlines()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
