@@ -1,0 +1,111 @@
+"""What the low-level runtimes' state directories say about running containers.
+
+runc keeps ``<root>/<id>/state.json`` (the init's pid and start time, the spec's annotations as
+labels, the bundle); crun keeps ``<root>/<id>/status`` (pid, bundle) beside the bundle's
+``config.json``. Engines give runc their own roots: Docker ``/run/docker/runtime-runc/moby``,
+containerd ``/run/containerd/runc/<namespace>``, podman and plain runc ``/run/runc``. Docker
+keeps the name in its own ``config.v2.json``. All of these are root's files, still read bounded
+and without following a symlink at the last step: a confused entry is skipped, never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+
+from ..fs.bounded import read_at_most
+from .identity import annotations_from_labels, name_from_annotations
+
+MAX_STATE = 4 << 20
+MAX_ENTRIES = 65536
+ROOTS = (("runc", "/run/runc"), ("runc", "/run/docker/runtime-runc/moby"), ("crun", "/run/crun"),
+         ("runc", "/run/containerd/runc/*"), ("runc", "/run/user/0/runc"))
+DOCKER_CONTAINERS = "/var/lib/docker/containers"
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,1023}")
+
+
+def read_json(path: str, limit: int = MAX_STATE):
+    """A small JSON document, or None: missing, a symlink, too large or not JSON."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data, more = read_at_most(fd, limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if more:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _entries(directory: str) -> list[str]:
+    try:
+        with os.scandir(directory) as it:
+            names = []
+            for entry in it:
+                if len(names) >= MAX_ENTRIES:
+                    break
+                if entry.is_dir(follow_symlinks=False) and _ID.fullmatch(entry.name):
+                    names.append(entry.name)
+            return names
+    except OSError:
+        return []
+
+
+def _roots(roots) -> list[tuple[str, str]]:
+    out = []
+    for runtime, root in roots:
+        if root.endswith("/*"):
+            out += [(runtime, os.path.join(root[:-2], sub)) for sub in _entries(root[:-2])]
+        else:
+            out.append((runtime, root))
+    return out
+
+
+def _bundle_annotations(bundle) -> dict[str, str]:
+    if not isinstance(bundle, str) or not bundle.startswith("/"):
+        return {}
+    spec = read_json(os.path.join(bundle, "config.json"))
+    annotations = spec.get("annotations") if isinstance(spec, dict) else None
+    if not isinstance(annotations, dict):
+        return {}
+    return {k: v for k, v in annotations.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def docker_name(container_id: str, containers: str = DOCKER_CONTAINERS) -> str:
+    if not re.fullmatch(r"[0-9a-f]{64}", container_id):
+        return ""
+    doc = read_json(os.path.join(containers, container_id, "config.v2.json"))
+    name = doc.get("Name") if isinstance(doc, dict) else None
+    return name.lstrip("/") if isinstance(name, str) else ""
+
+
+def states(roots=ROOTS) -> dict[int, tuple[str, str, str]]:
+    """init pid → (runtime, container ID, name) for every container a runtime's state shows."""
+    out: dict[int, tuple[str, str, str]] = {}
+    for runtime, root in _roots(roots):
+        for name in _entries(root):
+            where = os.path.join(root, name)
+            if runtime == "crun":
+                doc = read_json(os.path.join(where, "status"))
+                pid = doc.get("pid") if isinstance(doc, dict) else None
+                annotations = _bundle_annotations(doc.get("bundle")) if isinstance(doc, dict) else {}
+            else:
+                doc = read_json(os.path.join(where, "state.json"))
+                pid = doc.get("init_process_pid") if isinstance(doc, dict) else None
+                config = doc.get("config") if isinstance(doc, dict) else None
+                annotations = annotations_from_labels(config.get("labels")) if isinstance(config, dict) else {}
+            if type(pid) is not int or pid <= 0:
+                continue
+            out[pid] = (runtime, name, name_from_annotations(annotations))
+    return out

@@ -1,0 +1,130 @@
+"""``nvcontainer ps`` against real runc containers on the fake machine, cgroup v1 and v2.
+
+One driver script runs in the fake machine's world (so runc, the hook and ``ps`` all see the
+fake driver, and, for v2, cgroup2 at /sys/fs/cgroup): it starts two detached containers through
+our hook (one with cgroupsPath /docker/<id>, one found by runc's state), points the mock NVML's
+running processes at their init PIDs, at a host process and at a process that has exited,
+runs ``ps`` (table, --json, --gpu), then removes the containers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.fixtures import runtime
+from tests.fixtures.fakegpu.runner import fake_proc_command
+from tests.fixtures.fakegpu.spec import FakeSpec
+
+MIB = 1 << 20
+
+DRIVER = r"""
+import json, os, secrets, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from tests.fixtures.fakegpu.build import FakeMachine, set_activity
+base, bundles = Path(sys.argv[2]), json.loads(sys.argv[3])
+machine = FakeMachine.load(base)
+names = {}
+try:
+    for key, bundle in bundles.items():
+        name = f"nvc-ps-{key}-{secrets.token_hex(4)}"
+        err = open(os.path.join(bundle, "..", f"{name}.err"), "w")
+        res = subprocess.run(["runc", "run", "-d", "--bundle", bundle, name], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=err, timeout=120)
+        if res.returncode:
+            sys.exit(f"runc run {key} failed: " + open(err.name).read())
+        names[key] = name
+    pids = {k: json.loads(subprocess.run(["runc", "state", n], capture_output=True, check=True).stdout)["pid"]
+            for k, n in names.items()}
+    gone = subprocess.Popen(["true"]); gone.wait()
+    set_activity(machine, processes=(
+        (1, pids["explicit"], 300 << 20, "compute", 40),
+        (0, pids["second"], 100 << 20, "compute", 5),
+        (0, os.getpid(), 1 << 20, "graphics", 0),
+        (0, gone.pid, 7 << 20, "compute", 0),
+    ), utilization=((25, 10), (60, 30)))
+    def ps(*args):
+        r = subprocess.run([sys.executable, "-I", "-m", "nvcontainer", "--root", str(machine.root), "ps", *args],
+                           capture_output=True, text=True, env={"PYTHONPATH": sys.argv[1], "PATH": os.environ["PATH"]})
+        return {"rc": r.returncode, "out": r.stdout, "err": r.stderr}
+    print(json.dumps({"pids": pids, "names": names, "host": os.getpid(), "gone": gone.pid,
+                      "json": ps("--json"), "text": ps(), "gpu1": ps("--json", "--gpu", "1"),
+                      "bad": ps("--gpu", "7")}))
+finally:
+    for n in names.values():
+        subprocess.run(["runc", "delete", "-f", n], capture_output=True)
+"""
+
+
+def need_tools():
+    if not all(map(shutil.which, ("runc", "busybox", "unshare"))):
+        pytest.skip("needs runc, busybox and unshare")
+
+
+@pytest.fixture(scope="module")
+def machine(private_machine):
+    return private_machine(FakeSpec(gpus=2))
+
+
+DOCKER_ID = "ab" * 32
+
+
+def run_driver(machine, tmp_path, cgroup2: bool, second_env: list[str]) -> dict:
+    need_tools()
+    explicit = runtime.make_bundle(tmp_path, machine, ["NVIDIA_VISIBLE_DEVICES=1"], "sleep 600",
+                                   extra_spec=lambda s: s["linux"].update(cgroupsPath=f"/docker/{DOCKER_ID}"))
+    second = runtime.make_bundle(tmp_path, machine, second_env, "sleep 600")
+    argv = [sys.executable, "-I", "-c", DRIVER, str(runtime.REPO), str(machine.base),
+            json.dumps({"explicit": str(explicit), "second": str(second)})]
+    if cgroup2:
+        argv = ["sh", "-c", runtime.CGROUP2_WORLD, "sh", *argv]
+    res = subprocess.run(fake_proc_command(machine, argv), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def by_pid(gpu: dict) -> dict:
+    return {c["pid"]: c for c in gpu["containers"]}
+
+
+@pytest.mark.parametrize("cgroup2", [False, True], ids=["cgroup-v1", "cgroup-v2"])
+def test_ps_shows_containers_under_their_gpus(machine, tmp_path, cgroup2):
+    got = run_driver(machine, tmp_path, cgroup2, ["NVIDIA_VISIBLE_DEVICES=0"])
+    assert got["json"]["rc"] == 0, got["json"]["err"]
+    view = json.loads(got["json"]["out"])["gpus"]
+    pids, names = got["pids"], got["names"]
+    gpu0, gpu1 = view
+    assert (gpu0["index"], gpu1["index"]) == (0, 1)
+    assert gpu1["uuid"] == machine.description()["gpus"][1]["uuid"]
+    assert (gpu0["utilization"], gpu0["memory_utilization"], gpu1["utilization"]) == (25, 10, 60)
+
+    # GPU 1: the explicit request, found by its cgroup and its mount, with its NVML process
+    (explicit,) = gpu1["containers"]
+    assert explicit["pid"] == pids["explicit"]
+    assert (explicit["id"], explicit["engine"], explicit["how"]) == (DOCKER_ID, "docker", "request")
+    assert {"cgroup", "mount", "process"} <= set(explicit["evidence"])
+    assert explicit["memory"] == 300 * MIB
+    assert [(p["pid"], p["memory"], p["sm"]) for p in explicit["processes"]] == [(pids["explicit"], 300 * MIB, 40)]
+
+    # GPU 0: the second container (runc's state names it), the host's process; the exited one is gone
+    (second,) = gpu0["containers"]
+    assert (second["pid"], second["id"], second["engine"]) == (pids["second"], names["second"], "runc")
+    assert second["memory"] == 100 * MIB and {"cgroup", "mount", "process"} <= set(second["evidence"])
+    assert [p["pid"] for p in gpu0["host_processes"]] == [got["host"]]
+    everything = json.dumps(view)
+    assert str(got["gone"]) not in [str(p["pid"]) for g in view for c in g["containers"] for p in c["processes"]]
+    assert f'"pid": {got["gone"]}' not in everything
+
+    text = got["text"]["out"]
+    assert got["text"]["rc"] == 0
+    assert f"GPU 1  " in text and DOCKER_ID[:12] in text and "300.0 MiB" in text and names["second"] in text
+    assert text.index(DOCKER_ID[:12]) > text.index("GPU 1  ") > text.index(names["second"])
+
+    only = json.loads(got["gpu1"]["out"])["gpus"]
+    assert [g["index"] for g in only] == [1] and by_pid(only[0]).keys() == {pids["explicit"]}
+    assert got["bad"]["rc"] == 1 and got["bad"]["err"].count("\n") == 1 and "--gpu" in got["bad"]["err"]
