@@ -201,8 +201,9 @@ def _activity(nv) -> dict:
                     seen["memory"] = max(seen["memory"] or 0, int(p.usedGpuMemory))
         try:
             for sample in nv.nvmlDeviceGetProcessUtilization(h, 0)[:MAX_PROCESSES]:
-                if int(sample.pid) in procs:
-                    procs[int(sample.pid)]["sm"] = int(sample.smUtil)
+                seen = procs.get(int(sample.pid))
+                if seen is not None:   # one sample per pid and period; keep the largest
+                    seen["sm"] = max(seen["sm"] or 0, int(sample.smUtil))
         except nv.NVMLError:
             pass
         gpu = {"uuid": _text(nv.nvmlDeviceGetUUID(h)), "processes": list(procs.values()),
