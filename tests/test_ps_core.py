@@ -193,3 +193,24 @@ def test_text_escapes_container_controlled_values():
     assert text.count("\n") == 4
     assert render.text([]) == "no GPUs\n"
     assert json.loads(render.as_json(view))["gpus"][0]["containers"][0]["name"] == "evil\nGPU 9"
+
+
+def test_ps_options_are_documented_and_the_page_renders():
+    import shutil
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from nvcontainer.cli.main import cli
+
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "man" / "nvcontainer-ps.1").read_text()
+    out = CliRunner().invoke(cli, ["ps", "--help"]).output
+    for option in ("--json", "--gpu"):
+        assert option in out and option.replace("-", "\\-") in page
+    assert "\\fBps\\fR" in (root / "man" / "nvcontainer.1").read_text()
+    if shutil.which("man"):
+        res = subprocess.run(["man", "--warnings", "-l", str(root / "man" / "nvcontainer-ps.1")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, MANWIDTH="80"), timeout=60)
+        assert res.returncode == 0 and res.stderr == ""
