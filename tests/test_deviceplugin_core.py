@@ -14,7 +14,8 @@ from nvcontainer.deviceplugin import devices, health
 from nvcontainer.deviceplugin.allocate import Refused, allocate
 from nvcontainer.deviceplugin.preferred import preferred
 from nvcontainer.deviceplugin.settings import Settings, parse
-from nvcontainer.deviceplugin.topology import Topology, from_report, sysfs_address
+from nvcontainer.deviceplugin.topology import from_report
+from nvcontainer.inventory.topology import Topology, sysfs_address
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory.model import Gpu, Inventory, MigDevice
 from nvcontainer.request.selection import allow_list

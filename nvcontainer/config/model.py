@@ -31,6 +31,8 @@ class Config:
     cache_dir: str = "/run/nvcontainer"
     driver_volume_dir: str = "/var/lib/nvcontainer/volumes"
     allowed_devices: tuple[str, ...] | None = None
+    exclusive_gpus: bool = False          # explicit requests take leases and are refused a held GPU
+    lease_wait_seconds: float = 0         # how long free:N waits for GPUs to come free
     device_plugin: dict | None = field(default=None, hash=False)   # raw [device-plugin] table
     # the runtime shim (nvidia-container-runtime)
     runtime_debug: str | None = None

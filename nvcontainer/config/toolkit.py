@@ -64,6 +64,8 @@ TABLES: dict[str, dict[str, tuple]] = {
         "cache-dir": ("cache_dir", values.absolute),
         "driver-volume-dir": ("driver_volume_dir", values.absolute),
         "allowed-devices": ("allowed_devices", values.device_tokens),
+        "exclusive-gpus": ("exclusive_gpus", values.boolean),
+        "lease-wait-seconds": ("lease_wait_seconds", values.wait_seconds),
     },
 }
 

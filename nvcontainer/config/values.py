@@ -119,6 +119,12 @@ def deadline(value: object, key: str) -> float:
     return value
 
 
+def wait_seconds(value: object, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_DEADLINE:
+        raise bad(key, value, f"a number of seconds from 0 to {MAX_DEADLINE}")
+    return value
+
+
 def device_tokens(value: object, key: str) -> tuple[str, ...] | None:
     """Device tokens as in a request; they are matched against the GPUs when a container asks.
     An empty list is a node that hands out no GPU at all (the driver only)."""

@@ -14,7 +14,8 @@ import os
 
 from .. import log
 from ..errors import escape
-from . import devices, settings as settings_module, topology
+from ..inventory import topology
+from . import devices, settings as settings_module
 from .report import Reporter
 
 NVML_PREFIX = "libnvidia-ml.so"

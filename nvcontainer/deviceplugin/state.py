@@ -15,7 +15,7 @@ import asyncio
 from ..inventory.model import Inventory
 from .devices import Resource
 from .settings import Settings
-from .topology import Topology
+from ..inventory.topology import Topology
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"

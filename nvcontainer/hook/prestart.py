@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
+from ..request.free import asked as leases_wanted
 from .client import OPTIONS
 from .usage import PROG, Usage, usage_status
 
@@ -90,13 +91,30 @@ def prestart(opts: dict, dry_run: bool) -> int:
     from ..plan.gather import options_from_config, plan_for
 
     rootfs = state.root or spec.rootfs
-    plan = plan_for(request, cfg, rootfs, state.pid, options_from_config(cfg))
-    if dry_run:
-        sys.stdout.write(plan.dumps())
-        return 0
-    from ..apply.execute import apply
+    leased = inventory = None
+    if not dry_run and (cfg.exclusive_gpus or leases_wanted(request.devices)):
+        from ..inventory.cache import cached_inventory
+        from ..leases.grant import acquire
 
-    apply(plan, deadline=cfg.deadline - (time.monotonic() - started))
+        inventory = cached_inventory(cfg)
+        waited = time.monotonic()
+        leased = state.id or f"pid-{state.pid}"
+        request = acquire(request, inventory, cfg, leased, state.pid, state.bundle)
+        started += time.monotonic() - waited   # the wait for a GPU is not the run's deadline's
+    try:
+        plan = plan_for(request, cfg, rootfs, state.pid, options_from_config(cfg), inventory=inventory)
+        if dry_run:
+            sys.stdout.write(plan.dumps())
+            return 0
+        from ..apply.execute import apply
+
+        apply(plan, deadline=cfg.deadline - (time.monotonic() - started))
+    except BaseException:
+        if leased is not None:   # the container will not start: its GPUs are free again
+            from ..leases.grant import release
+
+            release(cfg, leased)
+        raise
     log.info("prestart done")
     return 0
 

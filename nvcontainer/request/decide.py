@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping   # not typing: its import costs a
 from ..config.values import CAPABILITIES
 from ..errors import NvcError, escape
 from ..records import record
-from . import require
+from . import free, require
 
 TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
@@ -114,6 +114,9 @@ def _device_ids(tokens: list[str], source: str) -> tuple[str, ...]:
     ids = _fold(tokens)
     if len(ids) > MAX_IDS:
         raise NvcError("device", f"{source}: {len(ids)} device ids (at most {MAX_IDS})")
+    wants_free = free.parse(ids, source)   # free / free:N (issue 26): resolved against the leases
+    if wants_free is not None:
+        return wants_free
     for token in ids:
         if device_kind(token) is None:
             if "=" in token and "/" in token:

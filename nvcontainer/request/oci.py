@@ -50,6 +50,7 @@ class State:
     bundle: str
     root: str | None            # crun's extra field, made absolute against the bundle
     annotations: dict = field(default_factory=dict)
+    id: str = ""                # the container id: whose lease a free:N request takes
 
 
 @record
@@ -221,7 +222,9 @@ def parse_state(data: bytes) -> State:
     root = None
     if (value := _get(obj, "root", "state")) is not None:
         root = _absolute(bundle, _string(value, "state: root", nonempty=True))
-    return State(pid, bundle, root, _annotations(_get(obj, "annotations", "state"), "state: annotations"))
+    ident = _get(obj, "id", "state")
+    ident = _string(ident, "state: id")[:256] if ident is not None else ""
+    return State(pid, bundle, root, _annotations(_get(obj, "annotations", "state"), "state: annotations"), ident)
 
 
 def read_state(fd: int, cap: int = STATE_CAP, seconds: float = STATE_SECONDS) -> State:

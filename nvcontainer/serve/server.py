@@ -43,6 +43,8 @@ import time
 
 from .. import log
 from ..errors import NvcError
+from ..leases.store import path_in
+from .leasewatch import RESCAN, LeaseWatch
 from .listen import adopt, listen
 from . import request
 from .request import become_request_child, handle
@@ -160,7 +162,7 @@ def serve(path: str, cfg, *, ready=None, spare: bool = True) -> int:
         status = warm(cfg)
         log.info(status)
         _prepare_ldconfig(cfg)
-        return _loop(sock, status, ready, spare)
+        return _loop(sock, status, ready, spare, LeaseWatch(path_in(cfg.cache_dir)))
     finally:
         sock.close()
         try:
@@ -171,7 +173,7 @@ def serve(path: str, cfg, *, ready=None, spare: bool = True) -> int:
             pass
 
 
-def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
+def _loop(sock: socket.socket, status: str, ready, use_spare: bool, leases: LeaseWatch) -> int:
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     stopping: list[int] = []
 
@@ -189,6 +191,7 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
     idle_since: float | None = time.monotonic() - SPARE_DELAY   # nothing has run yet: fork one at once
     # Everything imported so far lives as long as the server: keep it out of the collector's
     # walks, here and in every child, whose pages then stay shared.
+    leases.start()
     gc.collect()
     gc.freeze()
     sys.stdout.flush()
@@ -201,7 +204,8 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
             # flight, or beside the start it was for, takes CPU from them; until there is a
             # spare, connections are accepted here, one fork each. From the fork until the
             # spare takes a connection no other request runs: only the spare accepts.
-            timeout = None
+            leases.refresh()
+            timeout = RESCAN if leases.enabled else None
             if children:
                 idle_since = None
             elif idle_since is None:
@@ -211,8 +215,10 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
                 if wait <= 0:
                     spare = _fork_spare(sock)
                 else:
-                    timeout = wait
+                    timeout = wait if timeout is None else min(timeout, wait)
             poller = select.poll()
+            for fd in leases.fds():
+                poller.register(fd, select.POLLIN)
             poller.register(wake_r, select.POLLIN)
             poller.register(learn_r.fileno(), select.POLLIN)
             if spare is not None:   # the spare accepts; this process does only without one
@@ -251,6 +257,8 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
                     _accept(sock, children)
                 elif fd in children:
                     _reap(fd, children)
+                elif leases.fired(fd):
+                    pass
                 elif fd in by_conn and what & (select.POLLHUP | select.POLLERR) and by_conn[fd] in children:
                     children[by_conn[fd]].gone = time.monotonic()
             # A client hangs up once it has its answer, and a child that answered exits at once:
@@ -274,6 +282,7 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool) -> int:
             select.select([pidfd], [], [], 5.0)   # let a request in flight finish
             _kill(req.pid)
             _reap(pidfd, children)
+        leases.close()
         os.close(wake_r)
         os.close(wake_w)
         learn_r.close()

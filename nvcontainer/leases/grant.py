@@ -1,0 +1,141 @@
+"""Taking a lease at a container's start: ``free:N`` resolved to GPUs no live lease holds, or
+(with ``exclusive-gpus``) an explicit request checked against the leases and recorded as one.
+
+Why decide and record in one step under the file's lock: two containers starting together would
+otherwise both see GPU 2 free and both take it. :func:`decide` is the pure choice over the live
+leases; :func:`acquire` is the shell around it: liveness from /proc, the lock, the wait.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .. import log
+from ..errors import NvcError, escape
+from ..inventory.model import Inventory
+from ..inventory.topology import Topology, numa_nodes
+from ..records import replace
+from ..request import free
+from ..request.placement import choose_gpus
+from ..request.selection import AllowList, allow_list, select
+from . import liveness, store
+from .model import Lease
+
+SYSFS = "/sys"
+
+
+def leasable(inv: Inventory, allow: AllowList | None) -> list[int]:
+    """The GPUs the node may lease: every one ``allowed-devices`` permits whole."""
+    return [g.index for g in inv.gpus if allow is None or allow.permits(g)]
+
+
+def holders(live: tuple[Lease, ...] | list[Lease]) -> dict[int, Lease]:
+    return {i: lease for lease in live for i in lease.indexes}
+
+
+def decide_free(live, inv: Inventory, allow: AllowList | None, count: int, topology: Topology,
+                asked: str) -> list[int] | None:
+    """``count`` free GPUs, best placed; None when fewer are free now; an error when the node
+    could never give that many."""
+    allowed = leasable(inv, allow)
+    if count > len(allowed):
+        where = " allowed (allowed-devices)" if allow is not None else ""
+        raise NvcError("device", f"{escape(asked, 80)}: this node has {len(allowed)} GPU(s){where}")
+    held = holders(live)
+    candidates = [i for i in allowed if i not in held]
+    if len(candidates) < count:
+        return None
+    return candidates[:1] if count == 1 else choose_gpus(candidates, count, topology)
+
+
+def conflicts(live, indexes) -> list[tuple[int, Lease]]:
+    held = holders(live)
+    return [(i, held[i]) for i in indexes if i in held]
+
+
+def who_holds(live, indexes=None) -> str:
+    """``GPU 0, 1 held by container 3f2a… (pid 812); GPU 3 by …`` for a refusal's one line."""
+    by: dict[Lease, list[int]] = {}
+    for i, lease in sorted(holders(live).items()):
+        if indexes is None or i in indexes:
+            by.setdefault(lease, []).append(i)
+    parts = [f"GPU {', '.join(map(str, gpus))} held by {lease.holder()}" for lease, gpus in by.items()]
+    return "; ".join(parts) or "none held"
+
+
+def acquire(request, inv: Inventory, cfg, container: str, pid: int, bundle: str):
+    """The request with ``free:N`` replaced by the leased GPUs' UUIDs (or unchanged when it takes
+    no lease). Waits up to ``lease-wait-seconds`` for GPUs to come free, then refuses in one line
+    naming who holds what."""
+    count = free.asked(request.devices)
+    explicit = count is None and cfg.exclusive_gpus and request.devices != ()
+    if count is None and not explicit:
+        return request
+    allow = allow_list(inv, cfg.allowed_devices)
+    if explicit:
+        tokens = ["all"] if request.devices == "all" else list(request.devices)
+        indexes = tuple(g.index for g in select(inv, tokens, allow).gpus)
+        asked = "all" if request.devices == "all" else ",".join(request.devices)
+        if not indexes:
+            return request
+    else:
+        asked = request.devices[0]
+    start = liveness.start_time(pid)
+    if start is None:
+        raise NvcError("device", f"container {escape(container, 64)}: its init (pid {pid}) exited "
+                                 "before its GPUs were leased")
+    topology = Topology(numa=numa_nodes(SYSFS, inv)) if count and count > 1 else Topology()
+    path = store.path_in(cfg.cache_dir)
+    busy: list[str] = []
+
+    def change(leases):
+        live = [x for x in leases if x.container != container and liveness.alive(x)]
+        if explicit:
+            clash = conflicts(live, indexes)
+            if clash:
+                busy[:] = [f"{escape(asked, 80)}: exclusive-gpus: "
+                           f"{who_holds(live, {i for i, _ in clash})}"]
+                return live, None
+            chosen = list(indexes)
+        else:
+            chosen = decide_free(live, inv, allow, count, topology, asked)
+            if chosen is None:
+                busy[:] = [f"{escape(asked, 80)}: no {count} GPU(s) free; {who_holds(live)}"]
+                return live, None
+        lease = Lease(gpus=tuple(inv.gpus[i].uuid for i in chosen), indexes=tuple(chosen),
+                      container=container, pid=pid, start=start, bundle=bundle, since=time.time(),
+                      how="explicit" if explicit else "free", asked=asked)
+        return [*live, lease], lease
+
+    end, pause = time.monotonic() + cfg.lease_wait_seconds, 0.01
+    while True:
+        lease = store.update(path, change, deadline=max(cfg.deadline, 1))
+        if lease is not None:
+            break
+        left = end - time.monotonic()
+        if left <= 0:
+            raise NvcError("device", busy[0])
+        if liveness.start_time(pid) != start:
+            raise NvcError("device", f"container {escape(container, 64)}: its init (pid {pid}) exited "
+                                     "while waiting for GPUs")
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.1)
+    log.info(f"lease: {lease.asked} → GPU {', '.join(map(str, lease.indexes))} for {lease.holder()}")
+    if explicit:
+        return request
+    return replace(request, devices=lease.gpus)
+
+
+def release(cfg, container: str) -> None:
+    """Give back what ``container`` holds (its start failed after the lease was taken)."""
+    def drop(leases):
+        return [x for x in leases if x.container != container], None
+    store.update(store.path_in(cfg.cache_dir), drop, deadline=max(cfg.deadline, 1))
+
+
+def reconcile(path: str, deadline: float = 10.0) -> tuple[int, int]:
+    """Drop the leases whose container is gone; (kept, released)."""
+    def prune(leases):
+        live = [x for x in leases if liveness.alive(x)]
+        return live, (len(live), len(leases) - len(live))
+    return store.update(path, prune, deadline)
