@@ -163,19 +163,30 @@ def test_assemble_per_gpu():
         Process(pid=31, gpu="GPU-0", memory=7, pidns="pid:[3]"),                          # privileged one
         Process(pid=99, gpu="GPU-0", memory=1, pidns="pid:[0]", cgroup="/"),               # the host's
     ]
-    leases = [Lease(container="b", pid=20, gpus=("GPU-2",)), Lease(container="gone", pid=77, gpus=("GPU-0",))]
+    leases = [Lease(container="b", pid=20, gpus=("GPU-2",)), Lease(container="gone", pid=77, gpus=("GPU-0",), alive=False),
+              Lease(container=ID, pid=10, gpus=("GPU-1",), alive=False)]   # a restarted container kept its ID
     view = assemble(GPUS, {"GPU-0": {"utilization": 5, "memory_utilization": 1}}, [a, b, priv], procs, leases)
     g0, g1, g2 = view
     assert [(c["pid"], c["how"], c["running"], c["evidence"]) for c in g0["containers"]] == [
         (30, "request", True, ["process"]), (77, "lease", False, ["lease"])]
     assert [p["pid"] for p in g0["host_processes"]] == [99] and g0["utilization"] == 5
-    (ca,) = g1["containers"]
+    ca, stale = g1["containers"]
+    assert (stale["id"], stale["running"], stale["how"]) == (ID, False, "lease")
     assert (ca["id"], ca["how"], ca["evidence"], ca["memory"]) == (ID, "request", ["cgroup", "mount", "process"], 5 << 20)
     assert [p["pid"] for p in ca["processes"]] == [11, 12]
     (cb,) = g2["containers"]
     assert (cb["pid"], cb["how"], cb["evidence"], cb["memory"]) == (20, "lease", ["cgroup", "lease"], None)
     assert g1["utilization"] is None
     assert select_gpu(view, "2") == [g2] and select_gpu(view, "GPU-1") == [g1] and select_gpu(view, "9") == []
+
+
+def test_a_lease_holds_only_the_init_it_names():
+    c = Container(pid=10, start=500, cgroup_minors=(0,))
+    def how(lease):
+        return [e["how"] for e in assemble(GPUS[:1], {}, [c], [], [lease])[0]["containers"] if e["pid"] == 10]
+    assert how(Lease(container="x", pid=10, gpus=("GPU-0",), start=500)) == ["lease"]
+    assert how(Lease(container="x", pid=10, gpus=("GPU-0",), start=499)) == ["request", "lease"]   # pid reused
+    assert how(Lease(container="x", pid=11, gpus=("GPU-0",), start=500)) == ["request"]
 
 
 def test_owner_ignores_the_callers_own_cgroup():

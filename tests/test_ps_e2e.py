@@ -2,9 +2,10 @@
 
 One driver script runs in the fake machine's world (so runc, the hook and ``ps`` all see the
 fake driver, and, for v2, cgroup2 at /sys/fs/cgroup): it starts two detached containers through
-our hook (one with cgroupsPath /docker/<id>, one found by runc's state), points the mock NVML's
-running processes at their init PIDs, at a host process and at a process that has exited,
-runs ``ps`` (table, --json, --gpu), then removes the containers.
+our hook (an explicit NVIDIA_VISIBLE_DEVICES=1 with cgroupsPath /docker/<id>, and a leased
+NVIDIA_VISIBLE_DEVICES=free found by runc's state), points the mock NVML's running processes at
+their init PIDs, at a host process and at a process that has exited, runs ``ps`` (table,
+--json, --gpu), then removes the containers.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import json, os, secrets, subprocess, sys
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from tests.fixtures.fakegpu.build import FakeMachine, set_activity
-base, bundles = Path(sys.argv[2]), json.loads(sys.argv[3])
+base, bundles, cfg = Path(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+leases_file = os.path.join(os.path.dirname(cfg), "run", "leases.json")
 machine = FakeMachine.load(base)
 names = {}
 try:
@@ -41,18 +43,19 @@ try:
         names[key] = name
     pids = {k: json.loads(subprocess.run(["runc", "state", n], capture_output=True, check=True).stdout)["pid"]
             for k, n in names.items()}
+    (lease,) = json.load(open(leases_file))["leases"]
     gone = subprocess.Popen(["true"]); gone.wait()
     set_activity(machine, processes=(
         (1, pids["explicit"], 300 << 20, "compute", 40),
-        (0, pids["second"], 100 << 20, "compute", 5),
+        (lease["indexes"][0], pids["second"], 100 << 20, "compute", 5),
         (0, os.getpid(), 1 << 20, "graphics", 0),
         (0, gone.pid, 7 << 20, "compute", 0),
     ), utilization=((25, 10), (60, 30)))
     def ps(*args):
-        r = subprocess.run([sys.executable, "-I", "-m", "nvcontainer", "--root", str(machine.root), "ps", *args],
+        r = subprocess.run([sys.executable, "-I", "-m", "nvcontainer", "--root", str(machine.root), "--config", cfg, "ps", *args],
                            capture_output=True, text=True, env={"PYTHONPATH": sys.argv[1], "PATH": os.environ["PATH"]})
         return {"rc": r.returncode, "out": r.stdout, "err": r.stderr}
-    print(json.dumps({"pids": pids, "names": names, "host": os.getpid(), "gone": gone.pid,
+    print(json.dumps({"pids": pids, "names": names, "lease": lease, "host": os.getpid(), "gone": gone.pid,
                       "json": ps("--json"), "text": ps(), "gpu1": ps("--json", "--gpu", "1"),
                       "bad": ps("--gpu", "7")}))
 finally:
@@ -74,13 +77,16 @@ def machine(private_machine):
 DOCKER_ID = "ab" * 32
 
 
-def run_driver(machine, tmp_path, cgroup2: bool, second_env: list[str]) -> dict:
+def run_driver(machine, tmp_path, cgroup2: bool) -> dict:
     need_tools()
-    explicit = runtime.make_bundle(tmp_path, machine, ["NVIDIA_VISIBLE_DEVICES=1"], "sleep 600",
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'[nvcontainer]\ncache-dir = "{tmp_path / "run"}"\n')
+    hook_args = ("--config", str(cfg), "--socket", "")
+    explicit = runtime.make_bundle(tmp_path, machine, ["NVIDIA_VISIBLE_DEVICES=1"], "sleep 600", hook_args=hook_args,
                                    extra_spec=lambda s: s["linux"].update(cgroupsPath=f"/docker/{DOCKER_ID}"))
-    second = runtime.make_bundle(tmp_path, machine, second_env, "sleep 600")
+    second = runtime.make_bundle(tmp_path, machine, ["NVIDIA_VISIBLE_DEVICES=free"], "sleep 600", hook_args=hook_args)
     argv = [sys.executable, "-I", "-c", DRIVER, str(runtime.REPO), str(machine.base),
-            json.dumps({"explicit": str(explicit), "second": str(second)})]
+            json.dumps({"explicit": str(explicit), "second": str(second)}), str(cfg)]
     if cgroup2:
         argv = ["sh", "-c", runtime.CGROUP2_WORLD, "sh", *argv]
     res = subprocess.run(fake_proc_command(machine, argv), capture_output=True, text=True, timeout=300)
@@ -94,27 +100,32 @@ def by_pid(gpu: dict) -> dict:
 
 @pytest.mark.parametrize("cgroup2", [False, True], ids=["cgroup-v1", "cgroup-v2"])
 def test_ps_shows_containers_under_their_gpus(machine, tmp_path, cgroup2):
-    got = run_driver(machine, tmp_path, cgroup2, ["NVIDIA_VISIBLE_DEVICES=0"])
+    got = run_driver(machine, tmp_path, cgroup2)
     assert got["json"]["rc"] == 0, got["json"]["err"]
     view = json.loads(got["json"]["out"])["gpus"]
     pids, names = got["pids"], got["names"]
     gpu0, gpu1 = view
+    leased = got["lease"]["indexes"][0]
+    assert got["lease"]["container"] == names["second"] and got["lease"]["pid"] == pids["second"]
     assert (gpu0["index"], gpu1["index"]) == (0, 1)
     assert gpu1["uuid"] == machine.description()["gpus"][1]["uuid"]
     assert (gpu0["utilization"], gpu0["memory_utilization"], gpu1["utilization"]) == (25, 10, 60)
 
     # GPU 1: the explicit request, found by its cgroup and its mount, with its NVML process
-    (explicit,) = gpu1["containers"]
+    explicit = by_pid(gpu1)[pids["explicit"]]
     assert explicit["pid"] == pids["explicit"]
     assert (explicit["id"], explicit["engine"], explicit["how"]) == (DOCKER_ID, "docker", "request")
     assert {"cgroup", "mount", "process"} <= set(explicit["evidence"])
     assert explicit["memory"] == 300 * MIB
     assert [(p["pid"], p["memory"], p["sm"]) for p in explicit["processes"]] == [(pids["explicit"], 300 * MIB, 40)]
 
-    # GPU 0: the second container (runc's state names it), the host's process; the exited one is gone
-    (second,) = gpu0["containers"]
-    assert (second["pid"], second["id"], second["engine"]) == (pids["second"], names["second"], "runc")
-    assert second["memory"] == 100 * MIB and {"cgroup", "mount", "process"} <= set(second["evidence"])
+    # its leased GPU: the second container (runc's state names it) by lease
+    (second,) = [c for c in view[leased]["containers"] if c["pid"] == pids["second"]]
+    assert (second["id"], second["engine"], second["how"], second["running"]) == (names["second"], "runc", "lease", True)
+    assert second["memory"] == 100 * MIB and {"cgroup", "mount", "process", "lease"} <= set(second["evidence"])
+    others = [c["pid"] for g in view for c in g["containers"]]
+    assert sorted(others) == sorted([pids["explicit"], pids["second"]])   # each under its GPU only
+    # GPU 0: the host's process; the exited one is left out
     assert [p["pid"] for p in gpu0["host_processes"]] == [got["host"]]
     everything = json.dumps(view)
     assert str(got["gone"]) not in [str(p["pid"]) for g in view for c in g["containers"] for p in c["processes"]]
@@ -122,9 +133,10 @@ def test_ps_shows_containers_under_their_gpus(machine, tmp_path, cgroup2):
 
     text = got["text"]["out"]
     assert got["text"]["rc"] == 0
-    assert f"GPU 1  " in text and DOCKER_ID[:12] in text and "300.0 MiB" in text and names["second"] in text
-    assert text.index(DOCKER_ID[:12]) > text.index("GPU 1  ") > text.index(names["second"])
+    assert "GPU 1  " in text and DOCKER_ID[:12] in text and "300.0 MiB" in text and names["second"] in text
+    assert text.index(DOCKER_ID[:12]) > text.index("GPU 1  ")
+    assert text.index(names["second"]) > text.index(f"GPU {leased}  ")
 
     only = json.loads(got["gpu1"]["out"])["gpus"]
-    assert [g["index"] for g in only] == [1] and by_pid(only[0]).keys() == {pids["explicit"]}
+    assert [g["index"] for g in only] == [1] and pids["explicit"] in by_pid(only[0])
     assert got["bad"]["rc"] == 1 and got["bad"]["err"].count("\n") == 1 and "--gpu" in got["bad"]["err"]

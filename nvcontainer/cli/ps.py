@@ -23,11 +23,11 @@ def ps(obj: Context, as_json: bool, gpu: str | None) -> None:
     inv = obj.inventory()
     if gpu is not None and not select_gpu([{"index": g.index, "uuid": g.uuid} for g in inv.gpus], gpu):
         raise NvcError("input", f"--gpu: no GPU {escape(gpu)} on this node (an index or a UUID)")
-    view = gather.snapshot(obj.config, inv, _leases(obj))
+    leases, problem = gather.lease_facts(obj.config)
+    if problem:
+        sys.stderr.write(f"nvcontainer: warning: leases not shown: {problem}\n")
+    view = gather.snapshot(obj.config, inv, leases)
     if gpu is not None:
         view = select_gpu(view, gpu)
     sys.stdout.write(render.as_json(view) if as_json else render.text(view))
 
-
-def _leases(obj: Context) -> list:
-    return []

@@ -5,6 +5,7 @@ rule, when that node is mounted in it, when one of its processes runs on the GPU
 lease binds the GPU to it. It is there "by lease" when a lease names it (by container ID or
 init pid), "by request" otherwise. A GPU process belongs to the container whose pid namespace
 it shares, else to the container whose device cgroup holds its own; the rest are the host's.
+A lease whose container is gone is listed under its GPUs as not running.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def _process_entry(p: Process) -> dict:
 
 
 def _holds(lease: Lease, c: Container) -> bool:
-    return (bool(c.id) and lease.container == c.id) or lease.pid == c.pid
+    """A live lease names its container's init by pid and start time; a lease whose init is gone
+    holds nothing, even where a restarted container kept the ID."""
+    return lease.alive and lease.pid == c.pid and (lease.start is None or c.start is None or lease.start == c.start)
 
 
 def assemble(gpus, activity: dict, containers: list[Container], processes: list[Process],
@@ -63,7 +66,7 @@ def assemble(gpus, activity: dict, containers: list[Container], processes: list[
         for lease in gpu_leases:
             if not any(_holds(lease, c) for c in containers):
                 entries.append({"id": lease.container, "name": "", "engine": "", "pid": lease.pid,
-                                "how": "lease", "running": False, "evidence": ["lease"], "memory": None,
+                                "how": "lease", "running": lease.alive, "evidence": ["lease"], "memory": None,
                                 "processes": []})
         out.append({
             "index": gpu.index, "minor": gpu.minor, "uuid": gpu.uuid, "model": gpu.model,

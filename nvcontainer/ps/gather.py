@@ -63,6 +63,19 @@ def processes(activity: dict, proc: str = "/proc") -> list[Process]:
     return out
 
 
+def lease_facts(config, proc: str = "/proc") -> tuple[list[Lease], str | None]:
+    """The recorded leases with whether each container still runs; a lease file that cannot be
+    trusted gives no leases and its one-line reason."""
+    from ..leases import liveness, store
+
+    try:
+        recorded = store.load(store.path_in(config.cache_dir))
+    except NvcError as exc:
+        return [], exc.detail
+    return [Lease(container=lease.container, pid=lease.pid, gpus=tuple(lease.gpus), start=lease.start,
+                  alive=liveness.alive(lease, proc)) for lease in recorded], None
+
+
 def snapshot(config, inventory, leases: list[Lease] = (), *, proc: str = "/proc", roots=ocistate.ROOTS) -> list[dict]:
     """The per-GPU view of this host now (see :func:`.assemble.assemble`)."""
     from ..inventory import nvml

@@ -13,6 +13,7 @@ from ..records import record
 @record
 class Container:
     pid: int                            # its init process, as this host's procfs numbers it
+    start: int | None = None            # its init's start time (clock ticks since boot)
     cgroup: str = ""                    # its device cgroup's directory ("" unknown)
     pidns: str = ""                     # readlink of /proc/PID/ns/pid, e.g. pid:[4026532201]
     id: str = ""                        # the engine's container ID (cgroup path or OCI state)
@@ -42,4 +43,5 @@ class Lease:
     container: str                      # the container ID the lease names
     pid: int                            # its init process
     gpus: tuple[str, ...]               # GPU UUIDs
-    alive: bool = True
+    alive: bool = True                  # that init still runs (same pid, same start time)
+    start: int | None = None

@@ -20,6 +20,7 @@ from ..cgroups import access
 from ..cgroups.locate import locate, mountinfo_lines, parse_mountinfo_line
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
+from ..leases.liveness import start_time
 from .model import Container
 
 MAX_STAT = 4096
@@ -130,7 +131,8 @@ def read_container(pid: int, space: str, gpu_minors: Iterable[int], major: int, 
             return None
         log.warning(f"ps: container {pid}: {exc.detail}")
         mounts = ()
-    if not os.path.exists(f"{proc}/{pid}"):
+    start = start_time(pid, proc)
+    if start is None:
         return None
-    return Container(pid=pid, cgroup=directory, pidns=space, cgroup_minors=tuple(sorted(minors)),
+    return Container(pid=pid, start=start, cgroup=directory, pidns=space, cgroup_minors=tuple(sorted(minors)),
                      cgroup_all=everything, mount_minors=mounts)
