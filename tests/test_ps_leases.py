@@ -64,7 +64,7 @@ def test_a_container_gone_without_the_server_leaves_a_stale_lease(machine, tmp_p
     ps = cli("ps", "--json")
     assert ps.returncode == 0, ps.stderr
     view = json.loads(ps.stdout)["gpus"]
-    (entry,) = view[lease["indexes"][0]]["containers"]
+    (entry,) = [c for c in view[lease["indexes"][0]]["containers"] if c["id"] == bundle.name]
     assert (entry["id"], entry["pid"], entry["how"], entry["running"]) == (bundle.name, lease["pid"], "lease", False)
     assert "lease (container gone)" in cli("ps").stdout
 

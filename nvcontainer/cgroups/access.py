@@ -159,34 +159,29 @@ def programs_allow(programs: Iterable[list[Insn]], major: int, minors: Iterable[
 # --- readers ----------------------------------------------------------------------------------
 
 
-def _gone(path: str) -> NvcError:
-    return NvcError("cgroup", f"cgroup {escape(path)} went away")
-
-
-def allowed_minors(version: int, directory: str, major: int, minors: Iterable[int]) -> tuple[frozenset[int], bool]:
-    """What the device cgroup at ``directory`` allows of ``c major:minor`` (see the pure parts)."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    if version == 1:
-        path = os.path.join(directory, "devices.list")
-        try:
-            fd = os.open(path, flags | os.O_NOCTTY)
-        except FileNotFoundError:
-            raise _gone(directory) from None
-        except OSError as exc:
-            raise NvcError("cgroup", f"cannot open {escape(path)}: {exc.strerror.lower()}") from None
-        try:
-            data, more = read_at_most(fd, MAX_DEVICES_LIST)
-        finally:
-            os.close(fd)
-        if more:
-            raise NvcError("cgroup", f"{escape(path)} is larger than {MAX_DEVICES_LIST} bytes")
-        return parse_devices_list(os.fsdecode(data), major)
+def _open(path: str, flags: int) -> int:
     try:
-        dfd = os.open(directory, flags | os.O_DIRECTORY)
+        return os.open(path, flags | os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise _gone(directory) from None
+        raise NvcError("cgroup", f"{escape(path)} went away") from None
     except OSError as exc:
-        raise NvcError("cgroup", f"cannot open {escape(directory)}: {exc.strerror.lower()}") from None
+        raise NvcError("cgroup", f"cannot open {escape(path)}: {exc.strerror.lower()}") from None
+
+
+def _devices_list(directory: str, major: int) -> tuple[frozenset[int], bool]:
+    path = os.path.join(directory, "devices.list")
+    fd = _open(path, os.O_NOCTTY)
+    try:
+        data, more = read_at_most(fd, MAX_DEVICES_LIST)
+    finally:
+        os.close(fd)
+    if more:
+        raise NvcError("cgroup", f"{escape(path)} is larger than {MAX_DEVICES_LIST} bytes")
+    return parse_devices_list(os.fsdecode(data), major)
+
+
+def _programs(directory: str) -> list[list[Insn]]:
+    dfd = _open(directory, os.O_DIRECTORY)
     programs = []
     try:
         _, ids = bpf.prog_query(dfd)
@@ -198,11 +193,19 @@ def allowed_minors(version: int, directory: str, major: int, minors: Iterable[in
                 os.close(pfd)
     except OSError as exc:
         if exc.errno == errno.ENOENT:
-            raise _gone(directory) from None
+            raise NvcError("cgroup", f"cgroup {escape(directory)} went away") from None
         raise NvcError("cgroup", f"reading the device programs of {escape(directory)} failed: "
                                  f"{escape(exc.strerror or os.strerror(exc.errno))}") from None
     finally:
         os.close(dfd)
+    return programs
+
+
+def allowed_minors(version: int, directory: str, major: int, minors: Iterable[int]) -> tuple[frozenset[int], bool]:
+    """What the device cgroup at ``directory`` allows of ``c major:minor`` (see the pure parts)."""
+    if version == 1:
+        return _devices_list(directory, major)
+    programs = _programs(directory)
     if not programs:
         return frozenset(), True
     try:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 
-from ..fs.bounded import read_at_most
+from ..inventory.procfs import read_text
 from .identity import annotations_from_labels, name_from_annotations
 
 MAX_STATE = 4 << 20
@@ -27,24 +26,12 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,1023}")
 
 
 def read_json(path: str, limit: int = MAX_STATE):
-    """A small JSON document, or None: missing, a symlink, too large or not JSON."""
+    """A small JSON document, or None: missing, a symlink, not a regular file, too large (cut
+    short, so not JSON) or not JSON."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data, more = read_at_most(fd, limit)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if more:
-        return None
-    try:
-        return json.loads(data)
-    except ValueError:
+        text = read_text(path, limit)
+        return None if text is None else json.loads(text)
+    except (OSError, ValueError, RecursionError):
         return None
 
 

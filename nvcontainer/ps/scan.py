@@ -19,7 +19,7 @@ from .. import log
 from ..cgroups import access
 from ..cgroups.locate import locate, mountinfo_lines, parse_mountinfo_line
 from ..errors import NvcError, escape
-from ..fs.bounded import read_at_most
+from ..inventory.procfs import read_text
 from ..leases.liveness import start_time
 from .model import Container
 
@@ -28,17 +28,11 @@ _DEV_NODE = re.compile(r"/dev/nvidia([0-9]{1,3})")
 
 
 def _read(path: str, limit: int) -> str | None:
+    """A procfs file, None when its process is gone (or it cannot be read)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY)
+        return read_text(path, limit)
     except OSError:
         return None
-    try:
-        data, _ = read_at_most(fd, limit)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return os.fsdecode(data)
 
 
 def pidns(pid: int | str, proc: str = "/proc") -> str:
