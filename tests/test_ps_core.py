@@ -225,3 +225,18 @@ def test_ps_options_are_documented_and_the_page_renders():
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              env=dict(os.environ, MANWIDTH="80"), timeout=60)
         assert res.returncode == 0 and res.stderr == ""
+
+
+def test_podman_names_from_its_storage(tmp_path):
+    storage = tmp_path / "vfs-containers"
+    (storage / ID / "userdata").mkdir(parents=True)
+    (storage / "containers.json").write_text(json.dumps([{"id": "x" * 64, "names": ["other"]},
+                                                         {"id": ID, "names": ["trainer", "alias"]}]))
+    bundle = str(storage / ID / "userdata")
+    assert ocistate.storage_name(bundle, ID) == "trainer"
+    assert ocistate.storage_name(bundle, "y" * 64) == ""
+    assert ocistate.storage_name(str(storage / ID), ID) == ""          # not a podman bundle
+    crun = tmp_path / "crun"
+    (crun / ID).mkdir(parents=True)
+    (crun / ID / "status").write_text(json.dumps({"pid": 303, "bundle": bundle}))
+    assert ocistate.states((("crun", str(crun)),)) == {303: ("crun", ID, "trainer")}

@@ -140,3 +140,51 @@ def test_ps_shows_containers_under_their_gpus(machine, tmp_path, cgroup2):
     only = json.loads(got["gpu1"]["out"])["gpus"]
     assert [g["index"] for g in only] == [1] and pids["explicit"] in by_pid(only[0])
     assert got["bad"]["rc"] == 1 and got["bad"]["err"].count("\n") == 1 and "--gpu" in got["bad"]["err"]
+
+
+PODMAN_SCRIPT = r"""
+set -e
+podman_argv="$1"; shift
+name=$1 rootfs=$2; shift 2
+id=$($podman_argv run -d --name "$name" --network none --env NVIDIA_VISIBLE_DEVICES=0 --rootfs "$rootfs" /bin/sleep 600)
+trap '$podman_argv rm -t 0 -f "$name" >/dev/null 2>&1' EXIT
+echo "ID:$id"
+"$@"
+"""
+
+
+def test_podman_container_by_its_engine_id_and_name(machine, tmp_path):
+    """podman runs crun with cgroupsPath /libpod_parent/libpod-<id>; its name is in
+    containers/storage's containers.json beside the bundle."""
+    import os
+    import secrets
+    import tempfile
+
+    need_tools()
+    if not all(map(shutil.which, ("podman", "crun"))):
+        pytest.skip("needs podman and crun")
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    for i, entry in enumerate(runtime.hook_entries(machine)):
+        (hooks / f"{i:02d}-hook.json").write_text(json.dumps(
+            {"version": "1.0.0", "hook": entry, "when": {"always": True}, "stages": ["prestart"]}))
+    (tmp_path / "containers.conf").write_text(runtime.PODMAN_CONF)
+    rootfs = runtime.busybox_rootfs(tmp_path / "rootfs")
+    runroot = tempfile.mkdtemp(prefix="nvc-pd-")
+    podman = " ".join(["podman", "--root", str(tmp_path / "storage"), "--runroot", runroot, "--storage-driver", "vfs",
+                       "--cgroup-manager", "cgroupfs", "--hooks-dir", str(hooks)])
+    name = f"nvc-ps-{secrets.token_hex(4)}"
+    argv = ["sh", "-c", runtime.V1_ONLY_WORLD, "sh", "sh", "-c", PODMAN_SCRIPT, "sh", podman, name, str(rootfs),
+            sys.executable, "-I", "-m", "nvcontainer", "--root", str(machine.root), "ps", "--json"]
+    env = dict(os.environ, CONTAINERS_CONF=str(tmp_path / "containers.conf"), PYTHONPATH=str(runtime.REPO))
+    try:
+        res = subprocess.run(fake_proc_command(machine, argv), capture_output=True, text=True, env=env, timeout=300)
+    finally:
+        shutil.rmtree(runroot, ignore_errors=True)
+    assert res.returncode == 0, res.stderr
+    container_id = res.stdout.split("ID:", 1)[1].split()[0]
+    view = json.loads(res.stdout.split("\n", 1)[1])["gpus"]
+    (mine,) = [c for c in view[0]["containers"] if c["id"] == container_id]
+    assert (mine["engine"], mine["name"], mine["how"]) == ("podman", name, "request")
+    assert {"cgroup", "mount"} <= set(mine["evidence"])
+    assert container_id not in json.dumps(view[1])

@@ -3,8 +3,9 @@
 runc keeps ``<root>/<id>/state.json`` (the init's pid and start time, the spec's annotations as
 labels, the bundle); crun keeps ``<root>/<id>/status`` (pid, bundle) beside the bundle's
 ``config.json``. Engines give runc their own roots: Docker ``/run/docker/runtime-runc/moby``,
-containerd ``/run/containerd/runc/<namespace>``, podman and plain runc ``/run/runc``. Docker
-keeps the name in its own ``config.v2.json``. All of these are root's files, still read bounded
+containerd ``/run/containerd/runc/<namespace>``, podman ``/run/crun`` or ``/run/runc``, plain runc
+``/run/runc``. Docker keeps the name in its own ``config.v2.json``; podman in its storage's
+``containers.json``, two levels above the bundle (``<graphroot>/<driver>-containers/<id>/userdata``). All of these are root's files, still read bounded
 and without following a symlink at the last step: a confused entry is skipped, never trusted.
 """
 
@@ -18,6 +19,7 @@ from ..inventory.procfs import read_text
 from .identity import annotations_from_labels, name_from_annotations
 
 MAX_STATE = 4 << 20
+MAX_STORAGE = 32 << 20    # containers/storage's list of every container on the host
 MAX_ENTRIES = 65536
 ROOTS = (("runc", "/run/runc"), ("runc", "/run/docker/runtime-runc/moby"), ("crun", "/run/crun"),
          ("runc", "/run/containerd/runc/*"), ("runc", "/run/user/0/runc"))
@@ -59,6 +61,19 @@ def _roots(roots) -> list[tuple[str, str]]:
     return out
 
 
+def storage_name(bundle, container_id: str) -> str:
+    """podman's name for a container, from containers/storage's ``containers.json``."""
+    if not isinstance(bundle, str) or not bundle.startswith("/") or os.path.basename(bundle) != "userdata":
+        return ""
+    doc = read_json(os.path.join(os.path.dirname(os.path.dirname(bundle)), "containers.json"), MAX_STORAGE)
+    for entry in doc if isinstance(doc, list) else ():
+        if isinstance(entry, dict) and entry.get("id") == container_id:
+            names = entry.get("names")
+            if isinstance(names, list) and names and isinstance(names[0], str):
+                return names[0]
+    return ""
+
+
 def _bundle_annotations(bundle) -> dict[str, str]:
     if not isinstance(bundle, str) or not bundle.startswith("/"):
         return {}
@@ -86,13 +101,15 @@ def states(roots=ROOTS) -> dict[int, tuple[str, str, str]]:
             if runtime == "crun":
                 doc = read_json(os.path.join(where, "status"))
                 pid = doc.get("pid") if isinstance(doc, dict) else None
-                annotations = _bundle_annotations(doc.get("bundle")) if isinstance(doc, dict) else {}
+                bundle = doc.get("bundle") if isinstance(doc, dict) else None
+                annotations = _bundle_annotations(bundle)
             else:
                 doc = read_json(os.path.join(where, "state.json"))
                 pid = doc.get("init_process_pid") if isinstance(doc, dict) else None
                 config = doc.get("config") if isinstance(doc, dict) else None
                 annotations = annotations_from_labels(config.get("labels")) if isinstance(config, dict) else {}
+                bundle = annotations.get("bundle")
             if type(pid) is not int or pid <= 0:
                 continue
-            out[pid] = (runtime, name, name_from_annotations(annotations))
+            out[pid] = (runtime, name, name_from_annotations(annotations) or storage_name(bundle, name))
     return out
