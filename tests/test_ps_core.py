@@ -220,6 +220,10 @@ def test_ps_options_are_documented_and_the_page_renders():
     for option in ("--json", "--gpu"):
         assert option in out and option.replace("-", "\\-") in page
     assert "\\fBps\\fR" in (root / "man" / "nvcontainer.1").read_text()
+    from .test_ps_e2e import CONTAINER_KEYS, GPU_KEYS, PROCESS_KEYS
+
+    for key in GPU_KEYS | CONTAINER_KEYS | PROCESS_KEYS | {"gpus"}:
+        assert f"\\fB{key}\\fR" in page, f"--json key {key} is not in man/nvcontainer-ps.1"
     if shutil.which("man"):
         res = subprocess.run(["man", "--warnings", "-l", str(root / "man" / "nvcontainer-ps.1")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -75,6 +75,9 @@ def machine(private_machine):
 
 
 DOCKER_ID = "ab" * 32
+GPU_KEYS = {"index", "minor", "uuid", "model", "utilization", "memory_utilization", "containers", "host_processes"}
+CONTAINER_KEYS = {"id", "name", "engine", "pid", "how", "running", "evidence", "memory", "processes"}
+PROCESS_KEYS = {"pid", "command", "memory", "sm", "kinds"}
 
 
 def run_driver(machine, tmp_path, cgroup2: bool) -> dict:
@@ -110,6 +113,10 @@ def test_ps_shows_containers_under_their_gpus(machine, tmp_path, cgroup2):
     assert (gpu0["index"], gpu1["index"]) == (0, 1)
     assert gpu1["uuid"] == machine.description()["gpus"][1]["uuid"]
     assert (gpu0["utilization"], gpu0["memory_utilization"], gpu1["utilization"]) == (25, 10, 60)
+
+    assert all(set(g) == GPU_KEYS for g in view)
+    assert all(set(c) == CONTAINER_KEYS for g in view for c in g["containers"])
+    assert all(set(p) == PROCESS_KEYS for g in view for c in g["containers"] for p in c["processes"])
 
     # GPU 1: the explicit request, found by its cgroup and its mount, with its NVML process
     explicit = by_pid(gpu1)[pids["explicit"]]
