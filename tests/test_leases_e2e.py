@@ -28,9 +28,12 @@ HOLD = r"""
 echo "NODES:$(ls /dev | grep -E '^nvidia[0-9]+$' | sort | tr '\n' ' ')"
 for n in $(ls /dev | grep -E '^nvidia[0-9]+$'); do echo "OPEN:$n:$(cat /dev/$n 2>&1 | head -1)"; done
 echo "UP:1"
-while [ ! -e /gate/go ]; do sleep 0.05; done
+while [ ! -e /gate/go ] && [ ! -e "/gate/$GATE" ]; do sleep 0.05; done
 echo "DONE:ok"
 """
+
+
+NODES_ONLY = HOLD.split("echo \"UP:1\"")[0] + "echo DONE:ok\n"
 
 
 def world(tmp_path: Path, *, wait: float = 0, exclusive: bool = False) -> dict:
@@ -43,12 +46,12 @@ def world(tmp_path: Path, *, wait: float = 0, exclusive: bool = False) -> dict:
     return {"cfg": cfg, "leases": run / "leases.json", "gate": gate, "sock": tmp_path / "s" / "hook.sock"}
 
 
-def bundle(tmp_path, machine, w, value, *, served: bool, script=HOLD):
+def bundle(tmp_path, machine, w, value, *, served: bool, script=HOLD, gate="none"):
     def gate_mount(spec):
         spec["mounts"].append({"destination": "/gate", "type": "bind", "source": str(w["gate"]),
                                "options": ["rbind", "ro"]})
     sock = str(w["sock"]) if served else ""
-    return runtime.make_bundle(tmp_path, machine, [f"NVIDIA_VISIBLE_DEVICES={value}"], script,
+    return runtime.make_bundle(tmp_path, machine, [f"NVIDIA_VISIBLE_DEVICES={value}", f"GATE={gate}"], script,
                                hook_args=("--config", str(w["cfg"]), "--socket", sock), extra_spec=gate_mount)
 
 
@@ -143,3 +146,89 @@ def test_32_at_once_in_process_get_distinct_gpus_until_none_is_free(eight, tmp_p
     again = runtime.run_container(eight, bundle(tmp_path, eight, w, "free:2", served=False))
     assert again.returncode == 0, again.stderr
     assert runtime.parse_facts(again.stdout)["NODES"] == ["nvidia0 nvidia1"]
+
+
+def settle(w, want: int, within: float) -> float:
+    """Seconds until the lease file holds ``want`` leases (fails after ``within``)."""
+    start = time.monotonic()
+    while len(leases(w)) != want:
+        assert time.monotonic() - start < within, leases(w)
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_served_and_in_process_share_leases_and_an_exit_frees_within_a_second(four, tmp_path):
+    w = world(tmp_path)
+    server = Server(four, w).start()
+    try:
+        bundles = [bundle(tmp_path, four, w, "free:1", served=True) for _ in range(10)]
+        # one in-process holder among the served ones: they share the file and its lock
+        bundles.append(bundle(tmp_path, four, w, "free:1", served=False))
+        results, held = run_all(four, bundles, w, expect_up=4)
+        check_distinct(results, 4, 1)
+        assert settle(w, 0, 1.0) < 1.0       # the server saw every init exit
+    finally:
+        server.stop()
+
+
+def test_killed_server_restarts_keeping_live_leases_and_none_of_dead(four, tmp_path):
+    w = world(tmp_path)
+    server = Server(four, w).start()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        a = pool.submit(runtime.run_container, four, bundle(tmp_path, four, w, "free:1", served=True, gate="a"))
+        b = pool.submit(runtime.run_container, four, bundle(tmp_path, four, w, "free:1", served=True, gate="b"))
+        settle(w, 2, 60)
+        server.kill()
+        (w["gate"] / "a").write_text("")
+        assert a.result().returncode == 0
+        assert len(leases(w)) == 2           # no server: nobody released it yet
+        server = Server(four, w).start()
+        try:
+            assert settle(w, 1, 1.0) < 1.0   # reconciled at start: a's released, b's kept
+            (w["gate"] / "b").write_text("")
+            assert b.result().returncode == 0
+            assert settle(w, 0, 1.0) < 1.0   # and b's watched by the new server
+        finally:
+            server.stop()
+
+
+def test_wait_starts_containers_as_others_exit(four, tmp_path):
+    w = world(tmp_path, wait=60)
+    quick = 'echo "NODES:$(ls /dev | grep -E \'^nvidia[0-9]+$\' | tr \'\\n\' \' \')"; sleep 1; echo DONE:ok'
+    bundles = [bundle(tmp_path, four, w, "free:2", served=False, script=quick) for _ in range(5)]
+    with concurrent.futures.ThreadPoolExecutor(len(bundles)) as pool:
+        results = list(pool.map(lambda b: runtime.run_container(four, b, timeout=240), bundles))
+    for r in results:
+        assert r.returncode == 0, r.stderr
+        assert len(runtime.parse_facts(r.stdout)["NODES"][0].split()) == 2
+
+
+def test_exclusive_explicit_requests_take_and_respect_leases(four, tmp_path):
+    w = world(tmp_path, exclusive=True)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(runtime.run_container, four, bundle(tmp_path, four, w, "1", served=False))
+        settle(w, 1, 60)
+        assert leases(w)[0]["how"] == "explicit" and leases(w)[0]["indexes"] == [1]
+        clash = runtime.run_container(four, bundle(tmp_path, four, w, "1", served=False, script="echo DONE:ok"))
+        assert clash.returncode != 0
+        line = [x for x in clash.stderr.splitlines() if "exclusive-gpus" in x]
+        assert line and "GPU 1 held by container" in line[0], clash.stderr
+        other = runtime.run_container(four, bundle(tmp_path, four, w, "free:2", served=False, script=NODES_ONLY))
+        assert other.returncode == 0, other.stderr
+        assert runtime.parse_facts(other.stdout)["NODES"] == ["nvidia0 nvidia2"]
+        (w["gate"] / "go").write_text("")
+        assert holder.result().returncode == 0
+
+
+@pytest.mark.parametrize("value, words", [
+    ("free:99", "free:99: this node has 4 GPU(s)"),
+    ("free:0", "expected free or free:N"),
+    ("free,2", "cannot be mixed"),
+])
+def test_bad_free_requests_are_one_line(four, tmp_path, value, words):
+    w = world(tmp_path)
+    res = runtime.run_container(four, bundle(tmp_path, four, w, value, served=False, script="echo DONE:ok"))
+    assert res.returncode != 0 and "DONE" not in res.stdout
+    ours = [x for x in res.stderr.splitlines() if "nvcontainer" in x and "error" in x]
+    assert len(ours) == 1 and words in ours[0], res.stderr
+    assert leases(w) == []

@@ -24,6 +24,7 @@ from ..config.model import Config
 from ..errors import NvcError, escape
 from ..records import record
 from ..request import oci
+from ..request import free
 from ..request.decide import request_from_env
 from . import cdinames, specdict
 
@@ -75,6 +76,16 @@ def edit(data: bytes, bundle: str, config: Config, world: World) -> Edit:
         return Edit(None, "legacy", "not a GPU container", request.warnings)
     for path in (("hooks", "prestart"), ("linux", "devices"), ("linux", "resources", "devices")):
         specdict.check(original, *path)
+    if free.asked(request.devices) is not None:
+        # free:N: which GPUs is decided with the lease, at prestart, once the container's init
+        # exists; the hook then gives the nodes and rules (the lease must not outlive the init)
+        from . import legacy
+
+        obj = oci.spec_object(data)
+        hook = world.hook()
+        legacy.add_hook(obj, hook)
+        return Edit(_changed(original, obj), "legacy", f"hook {hook['path']}; GPUs leased at prestart "
+                                                       f"({request.devices[0]})", request.warnings)
     from ..plan.build import HostProc, build_plan
     from ..plan.container import ContainerFacts
     from ..plan.gather import options_from_config

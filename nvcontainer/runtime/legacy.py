@@ -54,11 +54,16 @@ def _rule(rule: str) -> dict:
     return {"allow": True, "type": kind, "major": int(major), "minor": int(minor), "access": access}
 
 
-def apply(spec: dict, hook: dict, plan: Plan) -> None:
-    """Add the hook (unless a GPU hook is there already) and the plan's nodes and rules, in place."""
+def add_hook(spec: dict, hook: dict) -> None:
+    """Add the hook, unless a GPU hook is there already, in place."""
     prestart = items(table(spec, "hooks"), "prestart", "config.json: hooks")
     if not any(is_gpu_hook(h) for h in prestart):
         prestart.append(hook)
+
+
+def apply(spec: dict, hook: dict, plan: Plan) -> None:
+    """Add the hook (unless a GPU hook is there already) and the plan's nodes and rules, in place."""
+    add_hook(spec, hook)
     if not plan.cgroups:
         return   # no-cgroups: the operator keeps every device rule out of our hands
     linux = table(spec, "linux")
