@@ -244,3 +244,20 @@ def test_podman_names_from_its_storage(tmp_path):
     (crun / ID).mkdir(parents=True)
     (crun / ID / "status").write_text(json.dumps({"pid": 303, "bundle": bundle}))
     assert ocistate.states((("crun", str(crun)),)) == {303: ("crun", ID, "trainer")}
+
+
+def test_device_nodes_are_checked_in_the_container_root(tmp_path):
+    """A mount point named /dev/nvidiaN counts only where it is that GPU's node; a symlink in the
+    root is not followed out of it (the fake /proc/PID/root here is a plain directory)."""
+    proc = tmp_path / "proc"
+    root = proc / "42" / "root"
+    (root / "dev").mkdir(parents=True)
+    os.mknod(root / "dev/nvidia0", 0o600 | 0o020000, os.makedev(195, 0))
+    os.mknod(root / "dev/nvidia1", 0o600 | 0o020000, os.makedev(195, 7))     # wrong minor
+    (root / "dev/nvidia2").write_text("")                                     # a file
+    os.symlink("/dev/null", root / "dev/nvidia3")                            # a link out
+    host = tmp_path / "host-node"
+    os.mknod(host, 0o600 | 0o020000, os.makedev(195, 4))
+    os.symlink(str(host), root / "dev/nvidia4")                              # the host's node, by link
+    assert scan.device_nodes(42, [0, 1, 2, 3, 4, 5], 195, str(proc)) == (0,)
+    assert scan.device_nodes(43, [0], 195, str(proc)) == ()

@@ -3,7 +3,7 @@
 A container is found as the kernel shows it, whatever started it: its init is a process whose
 pid namespace differs from its parent's. For each, its device cgroup (``cgroups.locate``) and
 what that cgroup allows of the GPU minors (``cgroups.access``), and the ``/dev/nvidiaN`` mounts
-in its mount table. A process that exits while it is read is skipped without a word: ``ps`` is
+in its mount table that are the GPU's device node (checked in its root, in-root). A process that exits while it is read is skipped without a word: ``ps`` is
 a snapshot, and a container that ended during it is simply not in it. Every file is a procfs or
 cgroupfs file opened without following a symlink, read with a bound.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Iterable
 from contextlib import closing
 
@@ -19,6 +20,7 @@ from .. import log
 from ..cgroups import access
 from ..cgroups.locate import locate, mountinfo_lines, parse_mountinfo_line
 from ..errors import NvcError, escape
+from ..fs.inroot import open_in_root
 from ..inventory.procfs import read_text
 from ..leases.liveness import start_time
 from .model import Container
@@ -89,6 +91,32 @@ def mounted_minors(lines: Iterable[str]) -> tuple[int, ...]:
     return tuple(sorted(minors))
 
 
+def device_nodes(pid: int, minors: Iterable[int], major: int, proc: str = "/proc") -> tuple[int, ...]:
+    """Those ``minors`` whose ``/dev/nvidiaN`` in the container is really ``c major:N``: a mount
+    point alone could be anything the container mounted there. Resolved inside the container's
+    root, never following a symbolic link out of it; () when the process is gone."""
+    try:
+        root = os.open(f"{proc}/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return ()
+    found = []
+    try:
+        for minor in minors:
+            try:
+                fd = open_in_root(root, f"/dev/nvidia{minor}", os.O_PATH, follow_last=False)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            if stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (major, minor):
+                found.append(minor)
+    finally:
+        os.close(root)
+    return tuple(found)
+
+
 def _vanished(exc: NvcError) -> bool:
     return "exited" in exc.detail or "went away" in exc.detail or "is outside this cgroup namespace" in exc.detail
 
@@ -119,7 +147,7 @@ def read_container(pid: int, space: str, gpu_minors: Iterable[int], major: int, 
         minors, everything = frozenset(), False
     try:
         with closing(mountinfo_lines(f"{proc}/{pid}/mountinfo")) as lines:
-            mounts = mounted_minors(lines)
+            mounts = device_nodes(pid, mounted_minors(lines), major, proc)
     except NvcError as exc:
         if _vanished(exc):
             return None
