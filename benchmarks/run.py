@@ -29,6 +29,7 @@ CACHE_DIR = "/run/nvcontainer"   # the default cache-dir: the hook runs with pro
 
 # Targets of issue #6, in milliseconds (RSS in MiB).
 TARGET_V1, TARGET_V2, TARGET_SLOW, TARGET_CONCURRENT, TARGET_RSS = 20.0, 25.0, 5.0, 3.0, 40.0
+TARGET_LEASE = 1.0   # issue 26: what a free:1 allocation may add to a served start
 
 
 def machine_facts() -> dict:
@@ -103,7 +104,7 @@ def probe_results(path: Path) -> dict:
             "maxrss_kb": [r["maxrss_kb"] for r in lines], "failures": [r for r in lines if r["rc"] != 0]}
 
 
-PARTS = ("v1", "concurrent", "probes", "commands", "v2", "slow", "growth")
+PARTS = ("v1", "concurrent", "probes", "commands", "v2", "slow", "growth", "leases")
 
 # What a GPU container's hook run imports: the standard modules our code is written with (the
 # floor of any hook in this style), then all of our modules on that path.
@@ -236,6 +237,21 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
              "warmup": {arm: bundles(2, *hooks, env=env) for arm, (hooks, env) in growth_arms.items()}}]}
         sys.stderr.write("cgroup v1, 8 GPUs\n")
         merge(results, run_world(eight, job, base))
+    if "leases" in parts:
+        # issue 26: free:1 (a lease decided and written under the lock, released when the
+        # container ends) against a plain index request, both served, interleaved on 4 GPUs
+        four = ws.machine("leases", FakeSpec(gpus=4, decoys=False))
+        sock_leases = ws.socket("leases")
+        served_four = ws.served_entry(four, sock_leases)
+        lease_arms = {"index": ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"],
+                      "free": ["NVIDIA_VISIBLE_DEVICES=free:1", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]}
+        job = {"server": server_job(ws, four, "leases", sock_leases), "steps": [
+            dict(check(3, {"served": served_four}), name="served-check-leases"),
+            {"kind": "interleaved", "name": "leases",
+             "arms": {arm: bundles(runs, served_four, env=env) for arm, env in lease_arms.items()},
+             "warmup": {arm: bundles(2, served_four, env=env) for arm, env in lease_arms.items()}}]}
+        sys.stderr.write("cgroup v1, 4 GPUs, leases\n")
+        merge(results, run_world(four, job, base))
     if "slow" in parts:
         rounds, later = max(3, runs // 6), 5
         knob = {"nvml_config": str(fast.nvml_config), "delay_ms": nvml_delay, "cache_dir": CACHE_DIR,
@@ -282,6 +298,9 @@ ROWS = (
     ("8 GPUs, hook (served), all GPUs", "growth/all"),
     ("cgroup v2, no hook", "v2/none"),
     ("cgroup v2, hook (served)", "v2/served"),
+    ("# leases: 4 GPUs, hook (served), interleaved", None),
+    ("GPU 0 named (NVIDIA_VISIBLE_DEVICES=0)", "leases/index"),
+    ("free:1 (lease taken, released at exit)", "leases/free"),
     ("cgroup v2, hook (in-process)", "v2/hook"),
     ("# NVML initialisation {delay} ms, hook (served), cgroup v1", None),
     ("serve start-up after reboot, to listening (pays NVML)", "slow-served/serve-start"),
@@ -421,6 +440,7 @@ def report(results: dict, facts: dict, runs: int, concurrency: int, nvml_delay: 
         "paired_slow_later_minus_fast_ms": paired("slow-served/later", "slow-served/fast"),
         "concurrent_p95_over_single_median": ratio("concurrent-served", "v1/served"),
         "served_memory_per_start_mib": served_rss,
+        "paired_lease_ms": paired("leases/free", "leases/index"),   # issue 26: < 1 ms
         "inprocess": {
             "overhead_v1_ms": diff("v1/hook", "v1/none"), "overhead_v2_ms": diff("v2/hook", "v2/none"),
             "paired_overhead_v1_ms": paired("v1/hook", "v1/none"),
@@ -457,6 +477,9 @@ def report(results: dict, facts: dict, runs: int, concurrency: int, nvml_delay: 
          derived["concurrent_p95_over_single_median"] <= TARGET_CONCURRENT and all_ok("concurrent-served")),
         ("served: client RSS + request's private (MiB)", served_rss, f"<= {TARGET_RSS:g} MiB",
          within(served_rss, TARGET_RSS)),
+        ("free:1 against GPU 0 named, served (paired Δ median)", derived["paired_lease_ms"],
+         f"< {TARGET_LEASE:g} ms", None if derived["paired_lease_ms"] is None else
+         derived["paired_lease_ms"] < TARGET_LEASE and all_ok("leases")),
     ]
     comparison = [
         ("hook overhead, cgroup v1, in-process", inproc["overhead_v1_ms"], f"<= {TARGET_V1:g} ms"),

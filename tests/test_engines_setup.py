@@ -169,9 +169,8 @@ def test_dockerd_with_nvidia_as_the_default_runtime(machine, node, tmp_path):
     assert not daemon.exists()   # setup made it; undo takes it back whole
 
 
-def test_containerd_cri_with_the_runtime_handler_setup_wrote(machine, node, tmp_path):
-    """Kubernetes' way: pods through containerd's CRI gRPC endpoint with the runtime handler
-    'nvidia' from the drop-in setup wrote (containerd 1.6: the handler is the route; no CDI)."""
+def cri_node(node: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """containerd's CRI set up by ``setup containerd`` (1.6): (its base, its main config, the prefix)."""
     need("containerd", "ctr", "runc")
     pytest.importorskip("grpc")
     base = cri.prepare(tmp_path / "c")
@@ -180,6 +179,13 @@ def test_containerd_cri_with_the_runtime_handler_setup_wrote(machine, node, tmp_
     main.parent.mkdir(parents=True)
     main.write_text((base / "config.toml").read_text())
     setup(node, prefix, "containerd", "--engine-version", "1.6.20")
+    return base, main, prefix
+
+
+def test_containerd_cri_with_the_runtime_handler_setup_wrote(machine, node, tmp_path):
+    """Kubernetes' way: pods through containerd's CRI gRPC endpoint with the runtime handler
+    'nvidia' from the drop-in setup wrote (containerd 1.6: the handler is the route; no CDI)."""
+    base, main, prefix = cri_node(node, tmp_path)
     assert f'imports = ["{containerd_setup.DROPIN}"]' in main.read_text()
     other = 'cat /dev/nvidia1 2>&1 | head -1; [ -e /dev/nvidia0 ] || echo ZERO:absent'
     results, res = cri.run(machine, base, main, f"{prefix / 'etc'}:{node / 'etc'}", [

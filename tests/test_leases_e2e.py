@@ -135,10 +135,16 @@ def check_distinct(results, gpus: int, wanted: int):
     return ok, refused
 
 
-def test_32_at_once_in_process_get_distinct_gpus_until_none_is_free(eight, tmp_path):
+@pytest.mark.parametrize("served", [False, True], ids=["in-process", "served"])
+def test_32_at_once_get_distinct_gpus_until_none_is_free(eight, tmp_path, served):
     w = world(tmp_path)
-    bundles = [bundle(tmp_path, eight, w, "free:1", served=False) for _ in range(32)]
-    results, held = run_all(eight, bundles, w, expect_up=8)
+    server = Server(eight, w).start() if served else None
+    try:
+        bundles = [bundle(tmp_path, eight, w, "free:1", served=served) for _ in range(32)]
+        results, held = run_all(eight, bundles, w, expect_up=8)
+    finally:
+        if server:
+            server.stop()
     assert sorted(i for x in held for i in x["indexes"]) == list(range(8))
     ok, refused = check_distinct(results, 8, 1)
     assert len(ok) == 8 and len(refused) == 24

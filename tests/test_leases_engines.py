@@ -1,17 +1,24 @@
 """``free`` requests through the engines, on the fake GPU machine: dockerd with ``--gpus
 '"device=free:N"'`` (dockerd passes the id through to the hook unchanged) and with
 ``--runtime=nvidia -e NVIDIA_VISIBLE_DEVICES=free`` (the runtime shim leaves the choice to the
-hook's lease), podman through hooks.d, and containerd's CRI with the ``nvidia`` handler. Each
+hook's lease), podman through hooks.d, containerd's CRI with the ``nvidia`` handler, and the
+runtime shim in CDI mode (the lease taken at create, bound to the init by a hook). Each
 container sees exactly its leased GPUs: ENXIO on its nodes, the others absent."""
 
 from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
 
 import pytest
 
 from tests.fixtures import cri, dockerd, runtime
 from tests.fixtures.fakegpu import FakeSpec
-from tests.test_engines_setup import CHECKS, facts, machine, need, node, setup  # noqa: F401 (fixtures)
+from tests.test_engines_setup import CHECKS, cri_node, facts, machine, need, node, setup  # noqa: F401 (fixtures)
+from tests.test_cdi_podman import spec_dir  # noqa: F401 (a fixture: `cdi generate` for this module's machine)
 from tests.test_leases_e2e import ENXIO
+from tests.test_runtime_engines import Shim, run_runc
 
 
 def sees(out: str, gpus: set[int]) -> None:
@@ -62,14 +69,7 @@ def test_podman_hooks_dir_free(machine, tmp_path):
 
 
 def test_containerd_cri_free(machine, node, tmp_path):
-    need("containerd", "ctr", "runc")
-    pytest.importorskip("grpc")
-    base = cri.prepare(tmp_path / "c")
-    prefix = tmp_path / "root"
-    main = prefix / "etc/containerd/config.toml"
-    main.parent.mkdir(parents=True)
-    main.write_text((base / "config.toml").read_text())
-    setup(node, prefix, "containerd", "--engine-version", "1.6.20")
+    base, main, prefix = cri_node(node, tmp_path)
     results, res = cri.run(machine, base, main, f"{prefix / 'etc'}:{node / 'etc'}", [
         {"name": "two", "handler": "nvidia", "env": ["NVIDIA_VISIBLE_DEVICES=free:2"], "script": CHECKS},
         {"name": "one", "handler": "nvidia", "env": ["NVIDIA_VISIBLE_DEVICES=free"], "script": CHECKS},
@@ -79,3 +79,42 @@ def test_containerd_cri_free(machine, node, tmp_path):
     assert len(got) == 2 and got["two"][0] == 0 and got["one"][0] == 0, context
     sees(got["two"][1], {0, 1})
     sees(got["one"][1], {0})      # two's lease ended with it
+
+
+def test_runtime_shim_cdi_mode_leases_at_create_and_binds_at_start(machine, spec_dir, tmp_path):  # noqa: F811
+    """mode = "cdi": the shim leases free:N at create (pending: no init yet), resolves the leased
+    GPUs' CDI names, and its bind-lease hook ties the lease to the init, which ends it."""
+    need("runc")
+    shim = Shim(tmp_path / "shim", machine, mode="cdi", spec_dirs=[spec_dir])
+    file = tmp_path / "shim/cache/leases.json"
+    gate = tmp_path / "gate"
+    gate.mkdir()
+
+    def make(value, script):
+        def edit(spec):
+            spec["hooks"] = {"prestart": runtime.hook_entries(machine, our_hook=False)}   # the test's /proc/driver
+            spec["mounts"].append({"destination": "/gate", "type": "bind", "source": str(gate),
+                                   "options": ["rbind", "ro"]})
+        return runtime.make_bundle(tmp_path, machine, [f"NVIDIA_VISIBLE_DEVICES={value}"], script, our_hook=False,
+                                   extra_spec=edit)
+
+    hold = CHECKS.replace('echo "DONE:ok"', 'while [ ! -e /gate/go ]; do sleep 0.05; done; echo "DONE:ok"')
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(run_runc, machine, shim, make("free:1", hold))
+        end = time.monotonic() + 60
+        while not (file.exists() and json.loads(file.read_text())["leases"]
+                   and json.loads(file.read_text())["leases"][0]["pid"]):
+            assert time.monotonic() < end and not holder.done(), holder.result().stderr if holder.done() else ""
+            time.sleep(0.05)
+        (lease,) = json.loads(file.read_text())["leases"]
+        assert lease["indexes"] == [0] and lease["pid"] > 0 and lease["start"] > 0   # bound to the init
+        second = run_runc(machine, shim, make("free:1", CHECKS))
+        assert second.returncode == 0, second.stderr
+        sees(second.stdout, {1})
+        third = run_runc(machine, shim, make("free:2", CHECKS))
+        assert third.returncode != 0
+        assert "free:2: no 2 GPU(s) free; GPU 0 held by container" in third.stderr, third.stderr
+        (gate / "go").write_text("")
+        first = holder.result()
+        assert first.returncode == 0, first.stderr
+        sees(first.stdout, {0})

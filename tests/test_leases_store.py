@@ -78,7 +78,7 @@ def test_directory_of_another_user_refused(tmp_path):
     d = tmp_path / "open"
     d.mkdir(mode=0o777)
     os.chmod(d, 0o777)
-    with pytest.raises(NvcError, match="not a private directory"):
+    with pytest.raises(NvcError, match="writable by it only"):
         store.update(str(d / store.NAME), lambda old: (old, None))
 
 

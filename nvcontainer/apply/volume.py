@@ -17,6 +17,7 @@ import shutil
 import stat
 
 from ..errors import NvcError, escape
+from ..fs.private import open_private_dir
 from ..inventory.model import Inventory
 from ..plan.volume import MAX_ENTRIES, NAME, PREFIX, Entry, check_version, entries
 from ..records import record
@@ -33,21 +34,7 @@ def open_base(base: str, *, create: bool) -> int:
     """An fd of ``base``: a real directory (not a symlink) owned by root, writable only by root."""
     if not base.startswith("/"):
         raise NvcError("input", f"volume directory must be absolute: {escape(base)}")
-    if create:
-        try:
-            os.makedirs(base, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise NvcError("volume", f"cannot create {escape(base)}: {exc.strerror}") from None
-    try:
-        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise NvcError("volume", f"cannot open {escape(base)}: {exc.strerror}") from None
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        os.close(fd)
-        raise NvcError("volume", f"{escape(base)}: must be owned by uid {os.geteuid()} and writable by it only "
-                                 f"(owner {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
-    return fd
+    return open_private_dir(base, "volume", create=create)
 
 
 def create(base: str, inv: Inventory, groups: frozenset[str], compat32: bool) -> Result:

@@ -17,12 +17,13 @@ from .client import OPTIONS
 from .usage import PROG, Usage, usage_status
 
 USAGE = f"""usage: {PROG} [--root PATH] [--ldcache FILE] [--debug FILE] [--user UID[:GID]] [--config FILE]
-                        [--socket PATH] [--dry-run] prestart|poststart|poststop
+                        [--socket PATH] [--dry-run] prestart|poststart|poststop|bind-lease
 
 Reads the OCI state on stdin and injects the GPUs the container's NVIDIA_VISIBLE_DEVICES asks for.
 --dry-run prints the plan as JSON ({{"gpu": false}} when the container asks for no GPU).
 --socket: where a resident `nvcontainer serve` listens (default /run/nvcontainer/hook.sock; '' for
 none); when one does, it does the run, with the same result, warm.
+bind-lease: binds the GPUs the runtime shim leased at create (CDI mode, free:N) to the container's init.
 
 CDI hooks (named in specs from `nvcontainer cdi generate`; see their --help):
        {PROG} create-symlinks|update-ldcache|disable-device-node-modification ...
@@ -119,6 +120,26 @@ def prestart(opts: dict, dry_run: bool) -> int:
     return 0
 
 
+BIND = "bind-lease"
+
+
+def bind_lease(opts: dict) -> int:
+    """``bind-lease``: the hook the runtime shim adds in CDI mode to a container whose GPUs it
+    leased at create (``free:N``), before the init existed: the lease is bound to the init now."""
+    from ..config import load as configuration
+    from .. import log
+    from ..leases.grant import bind
+    from ..request import oci
+
+    cfg = configuration.load(opts.get("config")).with_overrides(debug=opts.get("debug"))
+    if cfg.debug:
+        log.open_debug(cfg.debug)
+    state = oci.read_state_from_stdin()
+    lease = bind(cfg, state.id, state.pid)
+    log.info(f"bind-lease: {lease.holder() if lease else 'no pending lease'} for {state.id}")
+    return 0
+
+
 def run(argv: list[str]) -> int:
     """One prestart (or no-op poststart/poststop) run in this process: exit status 0, 1 with
     one line on stderr, or 2 for a usage error."""
@@ -130,7 +151,7 @@ def run(argv: list[str]) -> int:
         return usage_status(exc, USAGE)
     if stage in ("poststart", "poststop"):
         return 0
-    if stage != "prestart":
+    if stage not in ("prestart", BIND):
         from ..errors import escape
 
         sys.stderr.write(f"{PROG}: input error: unknown stage {escape(stage)} (prestart, poststart or poststop)\n")
@@ -139,7 +160,7 @@ def run(argv: list[str]) -> int:
     from ..errors import escape
 
     try:
-        return prestart(opts, dry_run)
+        return bind_lease(opts) if stage == BIND else prestart(opts, dry_run)
     except NvcError as exc:
         return log.fail(exc, PROG)
     except Exception as exc:  # a bug of ours: still one line, never a traceback in the runtime's error

@@ -12,7 +12,6 @@ after boot wait for one NVML initialisation, not 32.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import stat
@@ -21,6 +20,7 @@ import time
 from .. import log
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
+from ..fs.private import flock_within, write_new
 
 MAX_FILE = 4 << 20
 MAX_ENTRIES = 16          # cache files kept in the directory (one per configuration)
@@ -93,17 +93,7 @@ def write_entry(dfd: int, name: str, record: dict) -> bool:
     data = json.dumps(record, separators=(",", ":")).encode()
     tmp = f".{name}.{os.getpid()}.tmp"
     try:
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        except FileExistsError:   # left by a killed process that had our pid
-            os.unlink(tmp, dir_fd=dfd)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
+        write_new(dfd, tmp, data)
         os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except OSError as exc:
         log.warning(f"inventory cache not written: {exc.strerror}")
@@ -142,18 +132,10 @@ class Lock:
                           dir_fd=dfd)
 
     def __enter__(self):
-        end, pause = time.monotonic() + self.deadline, 0.001
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
-            except BlockingIOError:
-                pass
-            if time.monotonic() >= end:
-                os.close(self.fd)
-                raise NvcError("timeout", f"waited {self.deadline:g}s for another nvcontainer to build the driver inventory")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
+        if flock_within(self.fd, self.deadline):
+            return self
+        os.close(self.fd)
+        raise NvcError("timeout", f"waited {self.deadline:g}s for another nvcontainer to build the driver inventory")
 
     def __exit__(self, *exc) -> None:
         os.close(self.fd)

@@ -71,30 +71,37 @@ def acquire(request, inv: Inventory, cfg, container: str, pid: int, bundle: str)
     explicit = count is None and cfg.exclusive_gpus and request.devices != ()
     if count is None and not explicit:
         return request
-    allow = allow_list(inv, cfg.allowed_devices)
     if explicit:
         tokens = ["all"] if request.devices == "all" else list(request.devices)
-        indexes = tuple(g.index for g in select(inv, tokens, allow).gpus)
-        asked = "all" if request.devices == "all" else ",".join(request.devices)
+        indexes = tuple(g.index for g in select(inv, tokens, allow_list(inv, cfg.allowed_devices)).gpus)
         if not indexes:
             return request
-    else:
-        asked = request.devices[0]
-    start = liveness.start_time(pid)
-    if start is None:
-        raise NvcError("device", f"container {escape(container, 64)}: its init (pid {pid}) exited "
-                                 "before its GPUs were leased")
+        take(inv, cfg, container, pid, bundle, asked=",".join(tokens), indexes=indexes)
+        return request
+    lease = take(inv, cfg, container, pid, bundle, asked=request.devices[0], count=count)
+    return replace(request, devices=lease.gpus)
+
+
+def take(inv: Inventory, cfg, container: str, pid: int, bundle: str, *, asked: str, count: int | None = None,
+         indexes: tuple[int, ...] = ()) -> Lease:
+    """A lease on ``count`` free GPUs, or on exactly ``indexes`` (exclusive-gpus), for ``pid``
+    (0: pending, bound at the init's start by ``bind-lease``)."""
+    allow = allow_list(inv, cfg.allowed_devices)
+    start = 0
+    if pid:
+        start = liveness.start_time(pid)
+        if start is None:
+            raise NvcError("device", f"container {escape(container, 64)}: its init (pid {pid}) exited "
+                                     "before its GPUs were leased")
     topology = Topology(numa=numa_nodes(SYSFS, inv)) if count and count > 1 else Topology()
-    path = store.path_in(cfg.cache_dir)
     busy: list[str] = []
 
     def change(leases):
         live = [x for x in leases if x.container != container and liveness.alive(x)]
-        if explicit:
+        if count is None:
             clash = conflicts(live, indexes)
             if clash:
-                busy[:] = [f"{escape(asked, 80)}: exclusive-gpus: "
-                           f"{who_holds(live, {i for i, _ in clash})}"]
+                busy[:] = [f"{escape(asked, 80)}: exclusive-gpus: {who_holds(live, {i for i, _ in clash})}"]
                 return live, None
             chosen = list(indexes)
         else:
@@ -104,9 +111,10 @@ def acquire(request, inv: Inventory, cfg, container: str, pid: int, bundle: str)
                 return live, None
         lease = Lease(gpus=tuple(inv.gpus[i].uuid for i in chosen), indexes=tuple(chosen),
                       container=container, pid=pid, start=start, bundle=bundle, since=time.time(),
-                      how="explicit" if explicit else "free", asked=asked)
+                      how="free" if count is not None else "explicit", asked=asked)
         return [*live, lease], lease
 
+    path = store.path_in(cfg.cache_dir)
     end, pause = time.monotonic() + cfg.lease_wait_seconds, 0.01
     while True:
         lease = store.update(path, change, deadline=max(cfg.deadline, 1))
@@ -115,15 +123,31 @@ def acquire(request, inv: Inventory, cfg, container: str, pid: int, bundle: str)
         left = end - time.monotonic()
         if left <= 0:
             raise NvcError("device", busy[0])
-        if liveness.start_time(pid) != start:
+        if pid and liveness.start_time(pid) != start:
             raise NvcError("device", f"container {escape(container, 64)}: its init (pid {pid}) exited "
                                      "while waiting for GPUs")
         time.sleep(min(pause, left))
         pause = min(pause * 2, 0.1)
     log.info(f"lease: {lease.asked} → GPU {', '.join(map(str, lease.indexes))} for {lease.holder()}")
-    if explicit:
-        return request
-    return replace(request, devices=lease.gpus)
+    return lease
+
+
+def bind(cfg, container: str, pid: int) -> Lease | None:
+    """The pending lease of ``container`` bound to its init (``bind-lease``, at its start);
+    None when it has none. An init already gone gives its GPUs back at once."""
+    start = liveness.start_time(pid) if pid else None
+
+    def change(leases):
+        found = next((x for x in leases if x.container == container and x.pid == 0), None)
+        if found is None:
+            return leases, None
+        rest = [x for x in leases if x is not found]
+        if start is None:
+            return rest, None
+        bound = replace(found, pid=pid, start=start)
+        return [*rest, bound], bound
+
+    return store.update(store.path_in(cfg.cache_dir), change, deadline=max(cfg.deadline, 1))
 
 
 def release(cfg, container: str) -> None:

@@ -11,9 +11,10 @@ how leases end.
 from __future__ import annotations
 
 import os
+import time
 
 from ..fs.bounded import read_at_most
-from .model import Lease
+from .model import PENDING_S, Lease
 
 MAX_STAT = 4096
 GONE = ("Z", "X", "x")
@@ -46,6 +47,9 @@ def start_time(pid: int, proc: str = "/proc") -> int | None:
 
 
 def alive(lease: Lease, proc: str = "/proc") -> bool:
-    """The lease's init still runs: same pid, same start time, not a zombie."""
+    """The lease's init still runs: same pid, same start time, not a zombie. A pending lease
+    (pid 0: the create has not started the init yet) lives :data:`PENDING_S` seconds."""
+    if lease.pid == 0:
+        return 0 <= time.time() - lease.since < PENDING_S
     st = stat_of(lease.pid, proc)
     return st is not None and st[0] not in GONE and st[1] == lease.start

@@ -13,6 +13,7 @@ from ..records import record
 # How a lease was asked for: ``free`` / ``free:N`` (the node chose the GPUs), or ``explicit``
 # (the container named them, and exclusive-gpus made the names a lease).
 HOW = ("free", "explicit")
+PENDING_S = 60.0   # a pending lease whose init never came is released after this
 
 
 @record
@@ -20,7 +21,9 @@ class Lease:
     """``gpus``: the GPUs' UUIDs, ``indexes``: their indexes, in the same order. ``container``:
     the OCI state's container id. ``pid`` and ``start``: the container's init and its start time
     (clock ticks since boot). ``since``: when the lease was taken (seconds since the epoch).
-    ``how``: ``free`` or ``explicit``; ``asked``: the request as written (``free:2``)."""
+    ``how``: ``free`` or ``explicit``; ``asked``: the request as written (``free:2``).
+    ``pid`` 0: *pending*, taken by the runtime shim in CDI mode at create, before the init
+    exists; the shim's ``bind-lease`` hook fills in pid and start (:data:`PENDING_S` at most)."""
 
     gpus: tuple[str, ...]
     indexes: tuple[int, ...]
@@ -34,7 +37,7 @@ class Lease:
 
     def holder(self) -> str:
         """Who holds it, in one short phrase for refusals and ``ps``."""
-        return f"container {self.container[:12]} (pid {self.pid})"
+        return f"container {self.container[:12]} ({f'pid {self.pid}' if self.pid else 'starting'})"
 
     def to_json(self) -> dict:
         return {"gpus": list(self.gpus), "indexes": list(self.indexes), "container": self.container,
@@ -63,7 +66,7 @@ def from_json(item: object) -> Lease | None:
             or not all(isinstance(u, str) and 0 < len(u) <= 128 for u in gpus)
             or not all(type(i) is int and 0 <= i < MAX_GPUS for i in indexes)):
         return None
-    if item["pid"] <= 0 or item["start"] < 0 or not item["container"] or item["how"] not in HOW:
+    if item["pid"] < 0 or item["start"] < 0 or not item["container"] or item["how"] not in HOW:
         return None
     return Lease(gpus=tuple(gpus), indexes=tuple(indexes), container=item["container"], pid=item["pid"],
                  start=item["start"], bundle=item["bundle"], since=float(item["since"]), how=item["how"],

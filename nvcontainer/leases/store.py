@@ -14,15 +14,14 @@ the node starts again from no leases; one a newer version wrote is refused, neve
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import stat
-import time
 
 from .. import log
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
+from ..fs.private import flock_within, open_private_dir, write_new
 from .model import Lease, from_json
 
 VERSION = 1
@@ -105,31 +104,12 @@ def load(path: str = DEFAULT) -> tuple[Lease, ...]:
     return _read(None, path)
 
 
-def _open_dir(directory: str) -> int:
-    try:
-        os.mkdir(directory, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise NvcError("leases", f"{escape(directory)}: cannot create: {exc.strerror}") from None
-    try:
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise NvcError("leases", f"{escape(directory)}: cannot open: {exc.strerror}") from None
-    st = os.fstat(dfd)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        os.close(dfd)
-        raise NvcError("leases", f"{escape(directory)}: not a private directory of uid {os.geteuid()} "
-                                 f"(owner {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
-    return dfd
-
-
 class Held:
     """The lease file under its lock: :meth:`read`, then :meth:`write` at most once."""
 
     def __init__(self, path: str, deadline: float):
         self.path, self.deadline = path, deadline
-        self.dfd = _open_dir(os.path.dirname(path) or ".")
+        self.dfd = open_private_dir(os.path.dirname(path) or ".", "leases", create=True)
         self.name = os.path.basename(path)
 
     def __enter__(self) -> "Held":
@@ -139,18 +119,10 @@ class Held:
         except OSError as exc:
             os.close(self.dfd)
             raise NvcError("leases", f"{escape(self.path)}: no lock: {exc.strerror}") from None
-        end, pause = time.monotonic() + self.deadline, 0.0005
-        while True:
-            try:
-                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
-            except BlockingIOError:
-                pass
-            if time.monotonic() >= end:
-                self.__exit__()
-                raise NvcError("timeout", f"waited {self.deadline:g}s for the lock of {escape(self.path)}")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+        if flock_within(self.lock, self.deadline, 0.0005, 0.01):
+            return self
+        self.__exit__()
+        raise NvcError("timeout", f"waited {self.deadline:g}s for the lock of {escape(self.path)}")
 
     def __exit__(self, *exc) -> None:
         os.close(self.lock)
@@ -177,20 +149,10 @@ class Held:
         if len(data) > MAX_FILE:
             raise NvcError("leases", f"{escape(self.path)}: {len(leases)} leases do not fit in {MAX_FILE} bytes")
         tmp = f".{self.name}.{os.getpid()}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            try:
-                fd = os.open(tmp, flags, 0o600, dir_fd=self.dfd)
-            except FileExistsError:   # left by a killed writer that had our pid
-                os.unlink(tmp, dir_fd=self.dfd)
-                fd = os.open(tmp, flags, 0o600, dir_fd=self.dfd)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            # no fsync: the file lives on /run (tmpfs) and is meant to end with the boot, as do
+            # the containers it names; rename alone is atomic against any process dying
+            write_new(self.dfd, tmp, data)
             os.rename(tmp, self.name, src_dir_fd=self.dfd, dst_dir_fd=self.dfd)
         except OSError as exc:
             try:

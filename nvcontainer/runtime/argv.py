@@ -31,6 +31,7 @@ class Invocation:
     options: dict                       # global options given, by long name (last one wins)
     bundle: str | None = None           # create/run: the bundle directory, absolute
     spec_name: str = "config.json"      # the spec's file name in the bundle (crun --config)
+    container: str = ""                 # create/run: the container id (whose lease a free:N takes)
 
     @property
     def edits_spec(self) -> bool:
@@ -77,7 +78,9 @@ def parse(args: list[str], cwd: str) -> Invocation:
     command = args[i]
     if command not in EDITING:
         return Invocation(command, globals_)
-    own, _ = options(args[i + 1:], CREATE_VALUED)
+    own, j = options(args[i + 1:], CREATE_VALUED)
     bundle = own.get("--bundle", "")
     spec_name = own.get("--config", "") or "config.json"
-    return Invocation(command, globals_, os.path.normpath(os.path.join(cwd, str(bundle or "."))), str(spec_name))
+    container = args[i + 1 + j] if i + 1 + j < len(args) else ""
+    return Invocation(command, globals_, os.path.normpath(os.path.join(cwd, str(bundle or "."))), str(spec_name),
+                      container)

@@ -50,6 +50,11 @@ class World:
     hook: Callable[[], dict]            # the prestart entry legacy mode adds, found on demand
     inventory: Callable[[], object]     # the driver inventory, read on demand
     cdi: Callable[[], CdiView]          # the CDI spec directories, read on demand
+    # CDI mode's free:N: lease(count, asked) → the GPU indexes leased (pending until the init
+    # starts), unlease() gives them back, binder() the prestart entry that binds the lease
+    lease: Callable[[int, str], tuple[int, ...]] | None = None
+    unlease: Callable[[], None] | None = None
+    binder: Callable[[], dict] | None = None
 
 
 @record
@@ -68,8 +73,19 @@ def edit(data: bytes, bundle: str, config: Config, world: World) -> Edit:
         if asked is None or not asked.names:
             return Edit(None, "cdi", "no CDI device asked for", asked.warnings if asked else ())
         obj = oci.spec_object(data)
-        summary = _cdi(obj, asked, world.cdi())
-        return Edit(_changed(original, obj), "cdi", summary, asked.warnings)
+        leased = _leased(asked, config, world)
+        if leased is None:
+            summary = _cdi(obj, asked, world.cdi())
+            return Edit(_changed(original, obj), "cdi", summary, asked.warnings)
+        try:
+            summary = _cdi(obj, leased, world.cdi())
+            from .legacy import add_prestart
+
+            add_prestart(obj, world.binder())
+        except BaseException:
+            world.unlease()   # the create stops here: the GPUs are free again
+            raise
+        return Edit(_changed(original, obj), "cdi", f"{summary}; leased for {asked.names[0]}", asked.warnings)
     request = request_from_env(spec.environ(), config, privileged=spec.privileged, mounts=spec.mounts,
                                annotations=spec.annotations)
     if not request.gpu:
@@ -100,6 +116,24 @@ def edit(data: bytes, bundle: str, config: Config, world: World) -> Edit:
     nodes = ", ".join(d.path for d in plan.devices) if plan.cgroups else "none (no-cgroups)"
     return Edit(_changed(original, obj), "legacy", f"hook {hook['path']}; device nodes and rules: {nodes}",
                 plan.warnings)
+
+
+def _leased(asked: cdinames.Asked, config: Config, world: World) -> cdinames.Asked | None:
+    """``<default-kind>=free:N`` asked: the names of the N GPUs leased for it (by index, as
+    ``nvcontainer cdi generate`` names them); None when nothing free is asked."""
+    parts = [name.split("=", 1) for name in asked.names]
+    if not any(free.is_free(device) for _, device in parts):
+        return None
+    if len(parts) > 1:
+        raise NvcError("device", f"{asked.source}: '{escape(','.join(asked.names), 80)}': 'free' cannot be "
+                                 "mixed with other devices")
+    kind, device = parts[0]
+    if kind != config.cdi_default_kind:
+        raise NvcError("cdi", f"{asked.source}: {escape(asked.names[0], 80)}: free GPUs are leased as "
+                              f"{config.cdi_default_kind} devices")
+    count = free.count_of(device, asked.source)
+    indexes = world.lease(count, f"free:{count}")
+    return cdinames.Asked(tuple(f"{kind}={i}" for i in indexes), asked.source, asked.warnings)
 
 
 def _changed(original: dict, obj: dict) -> bytes | None:

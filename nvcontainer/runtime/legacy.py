@@ -61,6 +61,11 @@ def add_hook(spec: dict, hook: dict) -> None:
         prestart.append(hook)
 
 
+def add_prestart(spec: dict, hook: dict) -> None:
+    """Add a prestart entry whatever is there (CDI mode's ``bind-lease``), in place."""
+    items(table(spec, "hooks"), "prestart", "config.json: hooks").append(hook)
+
+
 def apply(spec: dict, hook: dict, plan: Plan) -> None:
     """Add the hook (unless a GPU hook is there already) and the plan's nodes and rules, in place."""
     add_hook(spec, hook)

@@ -100,7 +100,27 @@ def edit_bundle(inv: runtime_argv.Invocation, config, config_file: str | None) -
 
         return hook_entry(hook_program(config, os.path.dirname(sys.executable)), config_file, config.deadline)
 
-    world = World(hook=hook, inventory=inventory, cdi=lambda: _cdi_view(config))
+    def lease(count: int, asked: str) -> tuple[int, ...]:
+        from ..leases.grant import take
+
+        return take(inventory(), config, inv.container or f"bundle-{inv.bundle}", 0, inv.bundle,
+                    asked=asked, count=count).indexes
+
+    def unlease() -> None:
+        from ..leases.grant import release
+
+        release(config, inv.container or f"bundle-{inv.bundle}")
+
+    def binder() -> dict:
+        from .legacy import hook_entry
+
+        search = f"{os.path.dirname(sys.executable)}:{lowlevel.SAFE_PATH}"
+        entry = hook_entry(lowlevel.find(("nvcontainer-hook",), search), config_file, config.deadline)
+        entry["args"][-1] = "bind-lease"
+        return entry
+
+    world = World(hook=hook, inventory=inventory, cdi=lambda: _cdi_view(config), lease=lease, unlease=unlease,
+                  binder=binder)
     result = edit(data, inv.bundle, config, world)
     for warning in result.warnings:
         log.warning(warning)

@@ -11,11 +11,13 @@ that ended while no server ran are released, the others kept and watched.
 from __future__ import annotations
 
 import os
+import time
 
 from .. import log
 from ..errors import NvcError
 from ..leases import liveness, store
 from ..leases.grant import reconcile
+from ..leases.model import PENDING_S
 
 RESCAN = 0.5   # seconds: a lease the in-process hook took is watched within this
 
@@ -25,6 +27,7 @@ class LeaseWatch:
         self.path = path
         self.watched: dict[int, tuple[int, int]] = {}   # pidfd → (pid, start)
         self.seen: tuple | None = None
+        self.pending_until: float | None = None   # when the first pending lease (pid 0) expires
         self.enabled = True
 
     def start(self) -> None:
@@ -50,6 +53,9 @@ class LeaseWatch:
         except FileNotFoundError:
             key = None
         if key == self.seen:
+            if self.pending_until is not None and time.time() >= self.pending_until:
+                self.pending_until = None
+                self.release()   # a pending lease whose init never came
             return
         self.seen = key
         try:
@@ -57,7 +63,9 @@ class LeaseWatch:
         except NvcError as exc:
             log.warning(f"leases: {exc.detail}")
             return
-        wanted = {(x.pid, x.start): x for x in leases}
+        pending = [x.since + PENDING_S for x in leases if x.pid == 0]
+        self.pending_until = min(pending) if pending else None
+        wanted = {(x.pid, x.start): x for x in leases if x.pid}
         for fd, who in list(self.watched.items()):
             if who not in wanted:
                 del self.watched[fd]

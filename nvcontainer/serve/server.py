@@ -71,6 +71,8 @@ def preload() -> None:
     from ..cgroups import bpf, locate, rules, v1, v2  # noqa: F401
     from ..inventory import cache  # noqa: F401
     from ..plan import build, container, model  # noqa: F401
+    from ..leases import grant, liveness, store  # noqa: F401   (free:N and exclusive-gpus starts)
+    from ..request import free, placement  # noqa: F401
 
     # The hook path's patterns are strings that re compiles on first use (a cold hook matches
     # few of them); compiled here, into re's cache, every child finds them ready.
