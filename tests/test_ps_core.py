@@ -196,6 +196,14 @@ def test_owner_ignores_the_callers_own_cgroup():
     assert owner(p, [host_like], ignore_cgroup="/sys/fs/cgroup/devices") is None
 
 
+def test_pending_and_gone_leases_in_the_table():
+    view = assemble(GPUS[:1], {}, [], [], [Lease(container="p", pid=0, gpus=("GPU-0",)),
+                                           Lease(container="q", pid=0, gpus=("GPU-0",), alive=False),
+                                           Lease(container="r", pid=9, gpus=("GPU-0",), alive=False)])
+    text = render.text(view)
+    assert "lease (pending)" in text and "lease (never started)" in text and "lease (container gone)" in text
+
+
 def test_text_escapes_container_controlled_values():
     view = assemble(GPUS[:1], {}, [Container(pid=1, id="x", name="evil\nGPU 9", cgroup_minors=(0,))],
                     [Process(pid=2, gpu="GPU-0", memory=3 << 30, pidns="", command="a\x1bb")], [])

@@ -72,3 +72,8 @@ def test_a_container_gone_without_the_server_leaves_a_stale_lease(machine, tmp_p
     ps = cli("ps")
     assert ps.returncode == 0 and ps.stderr.startswith("nvcontainer: warning: leases not shown:")
     assert ps.stderr.count("\n") == 1
+
+
+def test_a_pending_lease_that_never_started_is_named_so():
+    never = Lease(container="c" * 64, pid=0, gpus=("GPU-0",), alive=False)
+    assert "container cccccccccccc (its init never started) on GPU-0" in leases_check(leases=(never,)).detail

@@ -257,7 +257,8 @@ def _leases(f: Facts) -> Check:
                      "the next lease request sets it aside and starts a fresh one")
     stale = [lease for lease in f.leases if not lease.alive]
     if stale:
-        names = "; ".join(f"container {escape(lease.container[:12])} (pid {lease.pid}) on "
+        names = "; ".join(f"container {escape(lease.container[:12])} "
+                          + (f"(pid {lease.pid})" if lease.pid else "(its init never started)") + " on "
                           + ", ".join(escape(g) for g in lease.gpus) for lease in stale)
         return Check("leases", WARN, escape(f"{len(stale)} of {len(f.leases)} lease(s) stale, their container "
                                             f"gone: {names}", 600),

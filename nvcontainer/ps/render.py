@@ -37,7 +37,9 @@ def text(view: list[dict]) -> str:
                      f"util {_percent(gpu['utilization'])}  memory util {_percent(gpu['memory_utilization'])}")
         rows = [("CONTAINER", "NAME", "ENGINE", "HOW", "PID", "MEMORY", "PROCESSES")]
         for c in gpu["containers"]:
-            how = c["how"] + ("" if c["running"] else " (container gone)")
+            how = c["how"] + ("" if c["running"] else " (container gone)" if c["pid"] else " (never started)")
+            if c["running"] and c["pid"] == 0:
+                how += " (pending)"   # the runtime shim's, until the container's init binds it
             rows.append((escape(_short(c["id"])) or "-", escape(c["name"]) or "-", c["engine"] or "-", how,
                          str(c["pid"]), size(c["memory"]), "; ".join(_process(p) for p in c["processes"]) or "-"))
         for p in gpu["host_processes"]:
