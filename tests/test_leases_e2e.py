@@ -238,3 +238,16 @@ def test_bad_free_requests_are_one_line(four, tmp_path, value, words):
     ours = [x for x in res.stderr.splitlines() if "nvcontainer" in x and "error" in x]
     assert len(ours) == 1 and words in ours[0], res.stderr
     assert leases(w) == []
+
+
+def test_a_start_that_fails_after_its_lease_gives_the_gpus_back(four, tmp_path):
+    """The lease is taken, then the plan refuses the container (an unmet requirement): the hook
+    fails and the GPUs are free again before it exits."""
+    w = world(tmp_path)
+    b = bundle(tmp_path, four, w, "free:2", served=False, script="echo DONE:ok")
+    spec = json.loads((b / "config.json").read_text())
+    spec["process"]["env"].append("NVIDIA_REQUIRE_CUDA=cuda>=99.0")
+    (b / "config.json").write_text(json.dumps(spec))
+    res = runtime.run_container(four, b)
+    assert res.returncode != 0 and "requirement error" in res.stderr, res.stderr
+    assert w["leases"].exists() and leases(w) == []   # written once, then given back

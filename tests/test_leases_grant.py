@@ -114,3 +114,16 @@ def test_two_hundred_at_once_never_share_a_gpu(tmp_path):
     assert all("no 1 GPU(s) free" in a for a in answers if not a.startswith("GPU-"))
     leases = store.load(store.path_in(str(tmp_path / "run")))
     assert sorted(i for x in leases for i in x.indexes) == list(range(8))
+
+
+def test_dry_run_preview_records_nothing(tmp_path):
+    cfg = Config(cache_dir=str(tmp_path / "run"))
+    inv = inventory(2)
+    request = request_from_env({"NVIDIA_VISIBLE_DEVICES": "free"}, cfg, privileged=False)
+    grant.acquire(request, inv, cfg, "holder", os.getpid(), "/b")
+    before = store.load(store.path_in(cfg.cache_dir))
+    assert grant.preview(request, inv, cfg).devices == (inv.gpus[1].uuid,)
+    assert store.load(store.path_in(cfg.cache_dir)) == before
+    two = request_from_env({"NVIDIA_VISIBLE_DEVICES": "free:2"}, cfg, privileged=False)
+    with pytest.raises(NvcError, match=r"free:2: no 2 GPU\(s\) free; GPU 0 held by container holder"):
+        grant.preview(two, inv, cfg)

@@ -93,7 +93,13 @@ def prestart(opts: dict, dry_run: bool) -> int:
 
     rootfs = state.root or spec.rootfs
     leased = inventory = None
-    if not dry_run and (cfg.exclusive_gpus or leases_wanted(request.devices)):
+    if dry_run and leases_wanted(request.devices):
+        from ..inventory.cache import cached_inventory
+        from ..leases.grant import preview
+
+        inventory = cached_inventory(cfg)
+        request = preview(request, inventory, cfg)
+    elif not dry_run and (cfg.exclusive_gpus or leases_wanted(request.devices)):
         from ..inventory.cache import cached_inventory
         from ..leases.grant import acquire
 

@@ -132,6 +132,24 @@ def take(inv: Inventory, cfg, container: str, pid: int, bundle: str, *, asked: s
     return lease
 
 
+def preview(request, inv: Inventory, cfg):
+    """``--dry-run``: the request with ``free:N`` replaced by the GPUs a lease would get now;
+    nothing is recorded."""
+    count = free.asked(request.devices)
+    if count is None:
+        return request
+    try:
+        live = [x for x in store.load(store.path_in(cfg.cache_dir)) if liveness.alive(x)]
+    except NvcError as exc:
+        log.warning(f"{exc.detail}; the preview counts no lease")
+        live = []
+    topology = Topology(numa=numa_nodes(SYSFS, inv)) if count > 1 else Topology()
+    chosen = decide_free(live, inv, allow_list(inv, cfg.allowed_devices), count, topology, request.devices[0])
+    if chosen is None:
+        raise NvcError("device", f"{escape(request.devices[0], 80)}: no {count} GPU(s) free; {who_holds(live)}")
+    return replace(request, devices=tuple(inv.gpus[i].uuid for i in chosen))
+
+
 def bind(cfg, container: str, pid: int) -> Lease | None:
     """The pending lease of ``container`` bound to its init (``bind-lease``, at its start);
     None when it has none. An init already gone gives its GPUs back at once."""
