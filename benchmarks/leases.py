@@ -2,6 +2,10 @@
 lease, decision, atomic write) and given back, on an 8-GPU inventory with 7 GPUs held by live
 leases, the file on a tmpfs (``/run`` in production; ``/dev/shm`` where a build machine's ``/run`` is a disk).
 
+Also in a child freshly forked from that process (what a served request is), cold and after
+the read-only rehearsal ``nvcontainer serve``'s spare child does ahead (``grant.rehearse``): in a
+fresh child most of the cost is copy-on-write page faults.
+
 Why apart from ``python -m benchmarks --only leases`` (a served start with ``free:1`` paired with
 one naming GPU 0): a container start on a busy 2-CPU machine varies by tens of milliseconds, far
 more than the allocation; this times the allocation's own code, run by run.
@@ -12,7 +16,9 @@ more than the allocation; this times the allocation's own code, run by run.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -43,6 +49,33 @@ def _is_tmpfs(path: str) -> bool:
         return any(line.split()[1] == path and line.split()[2] == "tmpfs" for line in f)
 
 
+def in_child(inv: Inventory, cfg: Config, rehearse_path: str | None) -> tuple[float, int]:
+    """(ms, minor page faults) of one take in a child forked now, after a rehearsal if asked."""
+    gc.collect()
+    gc.freeze()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            if rehearse_path:
+                grant.rehearse(rehearse_path, inv)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start = time.perf_counter()
+            grant.take(inv, cfg, f"child-{os.getpid()}", os.getpid(), "/b", asked="free:1", count=1)
+            ms = (time.perf_counter() - start) * 1e3
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            grant.release(cfg, f"child-{os.getpid()}")
+            os.write(w, f"{ms} {faults}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    ms, faults = os.read(r, 64).split()
+    os.close(r)
+    os.waitpid(pid, 0)
+    gc.unfreeze()
+    return float(ms), int(faults)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.leases")
     parser.add_argument("--runs", type=int, default=2000)
@@ -64,10 +97,17 @@ def main(argv=None) -> int:
             take.append((t1 - t0) * 1e3)
             give.append((t2 - t1) * 1e3)
         assert len(store.load(store.path_in(cfg.cache_dir))) == 7
-        for label, samples in (("take free:1 (8 GPUs, 7 held)", take), ("release", give)):
+        path = store.path_in(cfg.cache_dir)
+        cold = [in_child(inv, cfg, None) for _ in range(min(args.runs, 200))]
+        rehearsed = [in_child(inv, cfg, path) for _ in range(min(args.runs, 200))]
+        for label, samples in (("take free:1 (8 GPUs, 7 held)", take), ("release", give),
+                               ("take, fresh fork child", [ms for ms, _ in cold]),
+                               ("  its page faults", [f for _, f in cold]),
+                               ("take, child after rehearsal", [ms for ms, _ in rehearsed]),
+                               ("  its page faults", [f for _, f in rehearsed])):
             s = stats.summary(samples)
-            print(f"{label:32} n {s['n']:5}  median {s['median']:.3f} ms  p95 {s['p95']:.3f} ms  "
-                  f"min {s['min']:.3f}  max {s['max']:.3f}")
+            print(f"{label:32} n {s['n']:5}  median {s['median']:8.3f}  p95 {s['p95']:8.3f}  "
+                  f"min {s['min']:8.3f}  max {s['max']:8.3f}  (ms, or faults)")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 0

@@ -36,23 +36,36 @@ echo "DONE:ok"
 NODES_ONLY = HOLD.split("echo \"UP:1\"")[0] + "echo DONE:ok\n"
 
 
-def world(tmp_path: Path, *, wait: float = 0, exclusive: bool = False) -> dict:
+def world(tmp_path: Path, *, wait: float = 0, exclusive: bool = False, client: str | None = None) -> dict:
     run = tmp_path / "run"
     gate = tmp_path / "gate"
     gate.mkdir(exist_ok=True)
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'[nvcontainer]\ncache-dir = "{run}"\nlease-wait-seconds = {wait}\n'
                    f'exclusive-gpus = {"true" if exclusive else "false"}\n')
-    return {"cfg": cfg, "leases": run / "leases.json", "gate": gate, "sock": tmp_path / "s" / "hook.sock"}
+    return {"cfg": cfg, "leases": run / "leases.json", "gate": gate, "sock": tmp_path / "s" / "hook.sock",
+            "trace": tmp_path / "hook.log", "client": client}
+
+
+def starts(w) -> tuple[int, int]:
+    """(served, in-process) prestart runs in the hooks' trace."""
+    lines = [x for x in w["trace"].read_text().splitlines() if "prestart: pid" in x]
+    served = sum("(served by nvcontainer serve" in x for x in lines)
+    return served, len(lines) - served
 
 
 def bundle(tmp_path, machine, w, value, *, served: bool, script=HOLD, gate="none"):
-    def gate_mount(spec):
+    args = ("--config", str(w["cfg"]), "--debug", str(w["trace"]))
+
+    def edit(spec):
         spec["mounts"].append({"destination": "/gate", "type": "bind", "source": str(w["gate"]),
                                "options": ["rbind", "ro"]})
-    sock = str(w["sock"]) if served else ""
+        if served:   # the registration setup --serve writes: the native client, which asks the server
+            entry = spec["hooks"]["prestart"][1]
+            entry["path"] = w["client"]
+            entry["args"] = [w["client"], "--socket", str(w["sock"]), "--root", str(machine.root), *args, "prestart"]
     return runtime.make_bundle(tmp_path, machine, [f"NVIDIA_VISIBLE_DEVICES={value}", f"GATE={gate}"], script,
-                               hook_args=("--config", str(w["cfg"]), "--socket", sock), extra_spec=gate_mount)
+                               hook_args=(*args, "--socket", ""), extra_spec=edit)
 
 
 def leases(w) -> list[dict]:
@@ -94,17 +107,29 @@ class Server:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
 
+    def run(self, bundle: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+        """``runc run`` in the server's world (its mount namespace: the server declines hooks from
+        any other), as the service and the engine share a node's."""
+        state, name = bundle.parent / "state-served", bundle.name
+        enter = ["nsenter", "-t", str(self.proc.pid), "-m", "--", "runc", "--root", str(state)]
+        try:
+            return subprocess.run([*enter, "run", "--bundle", str(bundle), name], capture_output=True, text=True,
+                                  timeout=timeout)
+        finally:
+            subprocess.run([*enter, "delete", "-f", name], capture_output=True, timeout=60)
+
     def stop(self):
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout=60)
 
 
-def run_all(machine, bundles, w, *, expect_up: int, timeout=240):
+def run_all(machine, bundles, w, *, expect_up: int, timeout=240, server=None):
     """Start every bundle at once; once ``expect_up`` of them hold their GPUs (and the rest have
     ended), open the gate; every run's result, in order."""
     with concurrent.futures.ThreadPoolExecutor(len(bundles)) as pool:
-        futures = [pool.submit(runtime.run_container, machine, b, timeout=timeout) for b in bundles]
+        futures = [pool.submit(server.run, b, timeout) if server else
+                   pool.submit(runtime.run_container, machine, b, timeout=timeout) for b in bundles]
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             done = sum(f.done() for f in futures)
@@ -136,15 +161,16 @@ def check_distinct(results, gpus: int, wanted: int):
 
 
 @pytest.mark.parametrize("served", [False, True], ids=["in-process", "served"])
-def test_32_at_once_get_distinct_gpus_until_none_is_free(eight, tmp_path, served):
-    w = world(tmp_path)
+def test_32_at_once_get_distinct_gpus_until_none_is_free(eight, tmp_path, served, native_client):
+    w = world(tmp_path, client=native_client)
     server = Server(eight, w).start() if served else None
     try:
         bundles = [bundle(tmp_path, eight, w, "free:1", served=served) for _ in range(32)]
-        results, held = run_all(eight, bundles, w, expect_up=8)
+        results, held = run_all(eight, bundles, w, expect_up=8, server=server)
     finally:
         if server:
             server.stop()
+    assert starts(w) == ((32, 0) if served else (0, 32))
     assert sorted(i for x in held for i in x["indexes"]) == list(range(8))
     ok, refused = check_distinct(results, 8, 1)
     assert len(ok) == 8 and len(refused) == 24
@@ -163,27 +189,32 @@ def settle(w, want: int, within: float) -> float:
     return time.monotonic() - start
 
 
-def test_served_and_in_process_share_leases_and_an_exit_frees_within_a_second(four, tmp_path):
-    w = world(tmp_path)
+def test_served_and_in_process_share_leases_and_an_exit_frees_within_a_second(four, tmp_path, native_client):
+    w = world(tmp_path, client=native_client)
     server = Server(four, w).start()
     try:
         bundles = [bundle(tmp_path, four, w, "free:1", served=True) for _ in range(10)]
         # one in-process holder among the served ones: they share the file and its lock
         bundles.append(bundle(tmp_path, four, w, "free:1", served=False))
-        results, held = run_all(four, bundles, w, expect_up=4)
+        results, held = run_all(four, bundles, w, expect_up=4, server=server)
         check_distinct(results, 4, 1)
+        assert starts(w) == (10, 1)
         assert settle(w, 0, 1.0) < 1.0       # the server saw every init exit
     finally:
         server.stop()
 
 
-def test_killed_server_restarts_keeping_live_leases_and_none_of_dead(four, tmp_path):
-    w = world(tmp_path)
+def test_killed_server_restarts_keeping_live_leases_and_none_of_dead(four, tmp_path, native_client):
+    w = world(tmp_path, client=native_client)
     server = Server(four, w).start()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        a = pool.submit(runtime.run_container, four, bundle(tmp_path, four, w, "free:1", served=True, gate="a"))
-        b = pool.submit(runtime.run_container, four, bundle(tmp_path, four, w, "free:1", served=True, gate="b"))
+        a = pool.submit(server.run, bundle(tmp_path, four, w, "free:1", served=True, gate="a"))
+        b = pool.submit(server.run, bundle(tmp_path, four, w, "free:1", served=True, gate="b"))
         settle(w, 2, 60)
+        end = time.monotonic() + 60   # both hooks done: the containers run (a kill before is a start that fails)
+        while w["trace"].read_text().count("prestart done") < 2:
+            assert time.monotonic() < end
+            time.sleep(0.05)
         server.kill()
         (w["gate"] / "a").write_text("")
         assert a.result().returncode == 0

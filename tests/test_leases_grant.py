@@ -127,3 +127,20 @@ def test_dry_run_preview_records_nothing(tmp_path):
     two = request_from_env({"NVIDIA_VISIBLE_DEVICES": "free:2"}, cfg, privileged=False)
     with pytest.raises(NvcError, match=r"free:2: no 2 GPU\(s\) free; GPU 0 held by container holder"):
         grant.preview(two, inv, cfg)
+
+
+def test_rehearsal_reads_only(tmp_path):
+    """The spare's rehearsal of a lease: nothing locked, written or set aside, whatever the file."""
+    cfg = Config(cache_dir=str(tmp_path / "run"))
+    path = store.path_in(cfg.cache_dir)
+    grant.rehearse(path, inventory(2))                      # no file: nothing made
+    assert not os.path.exists(os.path.dirname(path))
+    request = request_from_env({"NVIDIA_VISIBLE_DEVICES": "free"}, cfg, privileged=False)
+    grant.acquire(request, inventory(2), cfg, "holder", os.getpid(), "/b")
+    before = os.stat(path)
+    grant.rehearse(path, inventory(2))
+    assert os.stat(path).st_ino == before.st_ino
+    with open(path, "w") as f:
+        f.write("{truncated")
+    grant.rehearse(path, inventory(2))                      # a bad file: left for a writer
+    assert open(path).read() == "{truncated"

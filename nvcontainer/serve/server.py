@@ -43,6 +43,7 @@ import time
 
 from .. import log
 from ..errors import NvcError
+from ..leases.grant import rehearse
 from ..leases.store import path_in
 from .leasewatch import RESCAN, LeaseWatch
 from .listen import adopt, listen
@@ -88,6 +89,7 @@ def warm(cfg) -> str:
     The hook's ``PATH`` is part of the entry's key, and a service manager's ``PATH`` is seldom
     the one registrations give hooks: warm this process's and the default registration's.
     A failure is reported and left to the requests to meet."""
+    global INVENTORY
     from ..inventory.cache import cached_inventory
     from ..inventory.catalog import DEFAULT_PATH
 
@@ -101,6 +103,7 @@ def warm(cfg) -> str:
             except NvcError as exc:
                 return f"inventory not ready: {exc.detail}"
             status = f"inventory ready: driver {inventory.driver_version}, {len(inventory.gpus)} GPU(s)"
+            INVENTORY = inventory
     finally:
         if own is None:
             os.environ.pop("PATH", None)
@@ -150,6 +153,10 @@ class _Spare:
         self.pid, self.pidfd, self.notify = pid, pidfd, notify
 
 
+LEASES: str | None = None   # the lease file of the server's configuration, rehearsed by spares
+INVENTORY = None            # the inventory warm() parsed, for the same
+
+
 def serve(path: str, cfg, *, ready=None, spare: bool = True) -> int:
     """Serve until SIGTERM or SIGINT. ``ready`` (a callable) is told once requests are taken.
 
@@ -164,7 +171,9 @@ def serve(path: str, cfg, *, ready=None, spare: bool = True) -> int:
         status = warm(cfg)
         log.info(status)
         _prepare_ldconfig(cfg)
-        return _loop(sock, status, ready, spare, LeaseWatch(path_in(cfg.cache_dir)))
+        global LEASES
+        LEASES = path_in(cfg.cache_dir)
+        return _loop(sock, status, ready, spare, LeaseWatch(LEASES))
     finally:
         sock.close()
         try:
@@ -418,6 +427,8 @@ def _spare_child(sock: socket.socket, notify: socket.socket) -> int:
     standby.standby()
     if prewarm.LEARNED is not None:
         log.info(f"spare {os.getpid()}: warmed {prewarm.own_pages(client_waiting, prewarm.LEARNED) >> 10} KiB")
+    if LEASES is not None and not client_waiting():
+        rehearse(LEASES, INVENTORY)
     while True:
         select.select([sock], [], [])   # the server going away kills this child (PDEATHSIG)
         try:
