@@ -40,7 +40,8 @@ def with_(**changes) -> Facts:
 
 def test_healthy_node_is_all_ok():
     got = verdicts(HEALTHY)
-    assert [v for v, _, _ in got.values()] == [OK] * 12, got
+    assert [v for v, _, _ in got.values()] == [OK] * len(got) and len(got) >= 13, got
+    assert got["leases"][1] == "no GPU leased (/run/nvcontainer/leases.json)"
     assert got["hooks"][1] == "no hook registered: containers get GPUs through CDI only"
 
 
@@ -183,7 +184,7 @@ def test_doctor_on_a_healthy_fake_machine(fake_machine, tmp_path):
     assert res.returncode == 0, res.stderr
     report = {c["name"]: c for c in json.loads(res.stdout)}
     assert list(report) == ["driver loaded", "ld cache", "versions match", "NVML", "device nodes", "cgroups",
-                            "ldconfig", "persistence", "CDI specs", "hooks", "hook server", "configuration"]
+                            "ldconfig", "persistence", "CDI specs", "hooks", "hook server", "leases", "configuration"]
     for name in ("driver loaded", "ld cache", "versions match", "NVML", "device nodes", "ldconfig", "persistence"):
         assert report[name]["verdict"] == OK, report[name]
     assert report["NVML"]["detail"] == "driver 550.54.14, 2 GPU(s)"

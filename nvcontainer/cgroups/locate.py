@@ -171,7 +171,7 @@ def _read_small(path: str, limit: int) -> str:
     return os.fsdecode(data)
 
 
-def _mountinfo_lines(path: str) -> Iterator[str]:
+def mountinfo_lines(path: str) -> Iterator[str]:
     """Lines of a mountinfo file, streamed so the search can stop at the first match."""
     fd = _open_proc(path)
     total = 0
@@ -202,7 +202,7 @@ def locate(pid: int, mountinfo_pid: int | None = None, proc: str = "/proc") -> C
     text = _read_small(f"{proc}/{pid}/cgroup", MAX_CGROUP_FILE)
     version, path = parse_proc_cgroup(text)
     mi_pid = "self" if mountinfo_pid is None else str(mountinfo_pid)
-    with closing(_mountinfo_lines(f"{proc}/{mi_pid}/mountinfo")) as lines:
+    with closing(mountinfo_lines(f"{proc}/{mi_pid}/mountinfo")) as lines:
         mountinfo = list(lines)
     if mountinfo_pid is None and proc == "/proc":
         mountinfo = [line for line in mountinfo if _visible(line)]

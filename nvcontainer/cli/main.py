@@ -15,7 +15,7 @@ import click
 
 from .. import __version__, log
 from ..errors import NvcError, escape
-from . import cdi, config, configure, deviceplugin, doctor, info, labels, mpsdaemon, serve, setup, volume
+from . import cdi, config, configure, deviceplugin, doctor, info, labels, mpsdaemon, ps, serve, setup, volume
 from .context import PROG, Context
 from .list import list_
 
@@ -48,7 +48,7 @@ def cli(ctx: click.Context, root, ldcache, debug, user, config_path, load_kmods,
 
 for command in (info.info, list_, configure.configure, cdi.cdi, doctor.doctor, serve.serve,
                 deviceplugin.device_plugin, labels.labels, mpsdaemon.mps_daemon, volume.volume,
-                setup.setup, config.config):
+                setup.setup, config.config, ps.ps):
     cli.add_command(command)
 
 

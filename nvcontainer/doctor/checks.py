@@ -60,6 +60,9 @@ class Facts:
     serve_socket: str = "/run/nvcontainer/hook.sock"
     serve_state: str = "absent"                           # listening, absent, stale (nobody answers)
     config_lines: tuple[str, ...] = ()                    # Config.report(): the file read, which won, inert keys
+    leases: tuple = ()                                    # ps.model.Lease: recorded leases, each alive or not
+    lease_file: str = "/run/nvcontainer/leases.json"
+    lease_error: str | None = None                        # why the lease file cannot be trusted
 
 
 # --- deciding ----------------------------------------------------------------------------------
@@ -70,6 +73,7 @@ def evaluate(f: Facts) -> list[Check]:
               _cdi(f)]
     checks.append(_registrations(f))
     checks.append(_serve(f))
+    checks.append(_leases(f))
     checks.append(_configuration(f))
     return checks
 
@@ -241,6 +245,29 @@ def _serve(f: Facts) -> Check:
     return Check("hook server", SKIP, f"none on {where}: hooks run in their own process (slower starts)",
                  "for faster starts: nvcontainer setup ENGINE (it enables nvcontainer-serve.socket); "
                  "see nvcontainer-serve(1)")
+
+
+def _leases(f: Facts) -> Check:
+    """Stale leases: GPUs recorded for containers that are gone. Requests check each lease's
+    container and do not wait for them, but no server watched them end (it releases a lease
+    within a second), and ``ps`` lists them until the next lease request prunes the file."""
+    where = escape(f.lease_file)
+    if f.lease_error:
+        return Check("leases", WARN, f"{where} cannot be read: {escape(f.lease_error)}",
+                     "the next lease request sets it aside and starts a fresh one")
+    stale = [lease for lease in f.leases if not lease.alive]
+    if stale:
+        names = "; ".join(f"container {escape(lease.container[:12])} "
+                          + (f"(pid {lease.pid})" if lease.pid else "(its init never started)") + " on "
+                          + ", ".join(escape(g) for g in lease.gpus) for lease in stale)
+        return Check("leases", WARN, escape(f"{len(stale)} of {len(f.leases)} lease(s) stale, their container "
+                                            f"gone: {names}", 600),
+                     "requests do not wait for them; nvcontainer serve releases them at start and watches every "
+                     "lease (systemctl restart nvcontainer-serve.service), else the next free request prunes them; "
+                     "see nvcontainer-ps(1)")
+    if not f.leases:
+        return Check("leases", OK, f"no GPU leased ({where})")
+    return Check("leases", OK, f"{len(f.leases)} lease(s), each held by a running container")
 
 
 # --- output ------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ def gather(config, spec_dirs, *, proc: str = "/proc", etc: str = "/", serve_sock
     facts["serve_socket"] = serve_socket or SOCKET
     facts["serve_state"] = serve_state(facts["serve_socket"])
     facts["config_lines"] = tuple(config.report())
+    facts.update(_lease_facts(config, proc))
     return Facts(**facts)
 
 
@@ -125,6 +126,14 @@ def _ldconfig_facts(config) -> dict:
     except NvcError as exc:
         return {"ldconfig": program, "ldconfig_problem": exc.detail}
     return {"ldconfig": program}
+
+
+def _lease_facts(config, proc: str) -> dict:
+    from ..leases.store import path_in
+    from ..ps.gather import lease_facts
+
+    leases, problem = lease_facts(config, proc)
+    return {"leases": tuple(leases), "lease_error": problem, "lease_file": path_in(config.cache_dir)}
 
 
 def _persistenced(root: str) -> bool:

@@ -20,10 +20,21 @@ from ..errors import NvcError, escape
 
 MAX_REPLY = 4 << 20
 MAX_GPUS = 256
+MAX_PROCESSES = 4096
 
 
 def query(lib_path: str, user: tuple[int, int] | None, deadline: float = 30.0) -> dict:
     """Ask NVML about the driver and every GPU; see :func:`_collect` for the shape."""
+    return _ask(lib_path, user, deadline, _collect)
+
+
+def activity(lib_path: str, user: tuple[int, int] | None, deadline: float = 30.0) -> dict:
+    """Ask NVML what runs on each GPU now; see :func:`_activity` for the shape. Never cached:
+    ``nvcontainer ps`` shows the moment it is run."""
+    return _ask(lib_path, user, deadline, _activity)
+
+
+def _ask(lib_path: str, user: tuple[int, int] | None, deadline: float, collect) -> dict:
     rfd, wfd = os.pipe()
     parent = os.getpid()
     pid = os.fork()
@@ -31,7 +42,7 @@ def query(lib_path: str, user: tuple[int, int] | None, deadline: float = 30.0) -
         os.close(rfd)
         code = 0
         try:
-            reply = _child(lib_path, user, parent)
+            reply = _child(lib_path, user, parent, collect)
         except BaseException as exc:  # anything at all must come back as data, not a traceback
             reply = {"error": ["initialization", f"nvml error: {escape(exc)}"]}
             code = 1
@@ -104,7 +115,7 @@ def _wait_briefly(pid: int, seconds: float = 2.0) -> None:
         time.sleep(0.01)
 
 
-def _child(lib_path: str, user: tuple[int, int] | None, parent: int) -> dict:
+def _child(lib_path: str, user: tuple[int, int] | None, parent: int, collect) -> dict:
     import ctypes
 
     # Import everything before dropping privileges: the interpreter's own files may not be
@@ -128,7 +139,7 @@ def _child(lib_path: str, user: tuple[int, int] | None, parent: int) -> dict:
     except pynvml.NVMLError as exc:
         return {"error": ["initialization", f"nvml error: {_nvml_text(exc)}"]}
     try:
-        return _collect(pynvml)
+        return collect(pynvml)
     except pynvml.NVMLError as exc:
         return {"error": ["detection", f"nvml error: {_nvml_text(exc)}"]}
     finally:
@@ -194,6 +205,51 @@ def _collect(nv) -> dict:
         "cuda_version": nv.nvmlSystemGetCudaDriverVersion(),
         "gpus": gpus,
     }
+
+
+def _activity(nv) -> dict:
+    """Per GPU (by UUID): its running processes (pid, used memory in bytes or None, compute or
+    graphics, SM utilisation in percent or None) and its utilisation rates (None where the
+    driver does not sample them)."""
+    gpus = []
+    for index in range(min(nv.nvmlDeviceGetCount(), MAX_GPUS)):
+        h = nv.nvmlDeviceGetHandleByIndex(index)
+        procs: dict[int, dict] = {}
+        for kind, getter in (("compute", "nvmlDeviceGetComputeRunningProcesses"),
+                             ("graphics", "nvmlDeviceGetGraphicsRunningProcesses")):
+            for p in _versioned(nv, getter, h)[:MAX_PROCESSES]:
+                seen = procs.setdefault(int(p.pid), {"pid": int(p.pid), "memory": None, "kinds": [], "sm": None})
+                seen["kinds"].append(kind)
+                if p.usedGpuMemory is not None:
+                    seen["memory"] = max(seen["memory"] or 0, int(p.usedGpuMemory))
+        try:
+            for sample in nv.nvmlDeviceGetProcessUtilization(h, 0)[:MAX_PROCESSES]:
+                seen = procs.get(int(sample.pid))
+                if seen is not None:   # one sample per pid and period; keep the largest
+                    seen["sm"] = max(seen["sm"] or 0, int(sample.smUtil))
+        except nv.NVMLError:
+            pass
+        gpu = {"uuid": _text(nv.nvmlDeviceGetUUID(h)), "processes": list(procs.values()),
+               "utilization": None, "memory_utilization": None}
+        try:
+            rates = nv.nvmlDeviceGetUtilizationRates(h)
+            gpu["utilization"], gpu["memory_utilization"] = int(rates.gpu), int(rates.memory)
+        except nv.NVMLError:
+            pass
+        gpus.append(gpu)
+    return {"gpus": gpus}
+
+
+def _versioned(nv, name: str, h) -> list:
+    """The _v3 entry point, else _v2 (drivers before 510); nothing where neither answers."""
+    for suffix in ("_v3", "_v2"):
+        try:
+            return getattr(nv, name + suffix)(h)
+        except nv.NVMLError_FunctionNotFound:
+            continue
+        except nv.NVMLError:
+            return []
+    return []
 
 
 def _migs(nv, h) -> list[dict]:

@@ -1,0 +1,1 @@
+"""``nvcontainer ps``: which containers use which GPU, found from the kernel, not our records."""
