@@ -15,7 +15,7 @@ import click
 
 from .. import __version__, log
 from ..errors import NvcError, escape
-from . import cdi, config, configure, deviceplugin, doctor, info, serve, setup, volume
+from . import cdi, config, configure, deviceplugin, doctor, dradriver, info, serve, setup, volume
 from .context import PROG, Context
 from .list import list_
 
@@ -47,7 +47,7 @@ def cli(ctx: click.Context, root, ldcache, debug, user, config_path, load_kmods,
 
 
 for command in (info.info, list_, configure.configure, cdi.cdi, doctor.doctor, serve.serve,
-                deviceplugin.device_plugin, volume.volume,
+                deviceplugin.device_plugin, dradriver.dra_driver, volume.volume,
                 setup.setup, config.config):
     cli.add_command(command)
 

@@ -15,7 +15,7 @@ import os
 from .. import log
 from ..errors import escape
 from . import devices, settings as settings_module, topology
-from .report import Reporter
+from ..kubelet.report import Reporter
 
 NVML_PREFIX = "libnvidia-ml.so"
 
