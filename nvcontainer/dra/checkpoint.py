@@ -57,7 +57,12 @@ def save(directory: str, claims: dict[str, dict]) -> None:
 
 
 def _read(path: str) -> dict[str, dict]:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise NvcError("input", f"{escape(path)}: {exc.strerror}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NvcError("input", f"{escape(path)}: not a regular file")
