@@ -153,6 +153,7 @@ def _gpu(g: dict, root: str, proc: str, caps_major: int | None) -> Gpu:
             gi_cap=devices.cap_node(root, caps_major, procfs.cap_minor(proc, gi_access)),
             ci_cap=devices.cap_node(root, caps_major, procfs.cap_minor(proc, ci_access)),
             name=m["name"],
+            **_mig_geometry(m),
         ))
     bus_id = f"{domain:08x}:{bus:02x}:{device:02x}.0"
     return Gpu(
@@ -167,4 +168,20 @@ def _gpu(g: dict, root: str, proc: str, caps_major: int | None) -> Gpu:
         mig_enabled=g["mig_enabled"],
         migs=tuple(migs),
         dri=graphics.dri_nodes(root, bus_id),
+        memory=_count(g.get("memory")),
     )
+
+
+def _count(value) -> int:
+    return value if type(value) is int and 0 <= value < 1 << 62 else 0
+
+
+def _mig_geometry(m: dict) -> dict:
+    """A MIG device's optional facts (older caches and drivers lack them): memory, GPU instance
+    profile id and placement."""
+    out = {"memory": _count(m.get("memory"))}
+    placement = m.get("placement")
+    if type(m.get("profile_id")) is int and isinstance(placement, list) and len(placement) == 2 \
+            and all(type(v) is int and 0 <= v < 64 for v in placement) and 0 <= m["profile_id"] < 1 << 16:
+        out.update(profile_id=m["profile_id"], placement_start=placement[0], placement_size=placement[1])
+    return out

@@ -39,6 +39,15 @@ class MigDevice:
     gi_cap: DeviceNode | None = None   # /dev/nvidia-caps/nvidia-capN behind gi_access
     ci_cap: DeviceNode | None = None
     name: str = ""       # as NVML names it: "<GPU model> MIG <profile>" (the device plugin's resource)
+    memory: int = 0      # bytes of its GPU instance (nvmlDeviceGetMemoryInfo); 0: not known
+    profile_id: int = -1           # GPU instance profile id (nvmlGpuInstanceGetInfo); -1: not known
+    placement_start: int = -1      # first memory slice of its GPU instance; -1: not known
+    placement_size: int = 0        # memory slices it spans
+
+    @property
+    def profile(self) -> str:
+        """The profile as nvidia-smi and NVML's name write it: ``1g.10gb``, ``1g.10gb+me``."""
+        return self.name.rpartition(" MIG ")[2] if " MIG " in self.name else ""
 
 
 @record
@@ -54,6 +63,7 @@ class Gpu:
     mig_enabled: bool = False
     migs: tuple[MigDevice, ...] = ()
     dri: tuple[DeviceNode, ...] = ()   # /dev/dri/card*, renderD* of its PCI device (graphics, display)
+    memory: int = 0      # bytes of framebuffer memory (nvmlDeviceGetMemoryInfo total); 0: not known
 
     @property
     def node(self) -> DeviceNode:

@@ -159,6 +159,9 @@ def _collect(nv) -> dict:
             gpu["mig_enabled"] = current == nv.NVML_DEVICE_MIG_ENABLE
         except nv.NVMLError:
             pass
+        memory = _memory(nv, h)
+        if memory:
+            gpu["memory"] = memory
         if gpu["mig_enabled"]:
             gpu["migs"] = _migs(nv, h)
         try:   # for doctor: persistence set with nvidia-smi -pm 1 serves as well as the daemon
@@ -180,14 +183,32 @@ def _migs(nv, h) -> list[dict]:
             m = nv.nvmlDeviceGetMigDeviceHandleByIndex(h, slot)
         except nv.NVMLError:
             continue
-        migs.append({
+        mig = {
             "index": len(migs),
             "uuid": _text(nv.nvmlDeviceGetUUID(m)),
             "name": _text(nv.nvmlDeviceGetName(m)),
             "gi": nv.nvmlDeviceGetGpuInstanceId(m),
             "ci": nv.nvmlDeviceGetComputeInstanceId(m),
-        })
+        }
+        memory = _memory(nv, m)
+        if memory:
+            mig["memory"] = memory
+        try:   # the GPU instance's profile and placement: DRA's device names (dra/names.py)
+            info = nv.nvmlGpuInstanceGetInfo(nv.nvmlDeviceGetGpuInstanceById(h, mig["gi"]))
+            mig["profile_id"] = int(info.profileId)
+            mig["placement"] = [int(info.placement.start), int(info.placement.size)]
+        except nv.NVMLError:
+            pass
+        migs.append(mig)
     return migs
+
+
+def _memory(nv, handle) -> int:
+    """Total framebuffer bytes; 0 when NVML does not say (optional: only DRA publishes it)."""
+    try:
+        return int(nv.nvmlDeviceGetMemoryInfo(handle).total)
+    except nv.NVMLError:
+        return 0
 
 
 def _text(value) -> str:

@@ -1,0 +1,182 @@
+"""The DRA driver's API server client against the fake API server (tests/fixtures/kubeapi.py):
+claims in each served version, slice writes, kubeconfig and in-cluster configuration, and a
+server that is down, slow or failing (bounded retries, one-line errors)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nvcontainer.dra import kubeapi
+from nvcontainer.errors import NvcError
+from tests.fixtures.kubeapi import FakeApiServer
+
+NODE = "node-a"
+
+
+def claim(namespace="default", name="c1") -> dict:
+    return {"metadata": {"namespace": namespace, "name": name, "uid": "u-1"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "gpu", "driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-0"}]}}}}
+
+
+def a_slice(name="node-a-gpu.nvidia.com", node=NODE, devices=None) -> dict:
+    return {"metadata": {"name": name},
+            "spec": {"driver": "gpu.nvidia.com", "nodeName": node,
+                     "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                     "devices": devices if devices is not None else [
+                         {"name": "gpu-0", "attributes": {"type": {"string": "gpu"},
+                                                          "driverVersion": {"version": "550.54.14"}},
+                          "capacity": {"memory": {"value": "80Gi"}}}]}}
+
+
+@pytest.fixture
+def server():
+    s = FakeApiServer(token="secret")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def api(server, tmp_path):
+    client = kubeapi.KubeApi(kubeapi.load_config(server.write_kubeconfig(str(tmp_path / "kubeconfig"))), timeout=2)
+    yield client
+    client.close()
+
+
+@pytest.mark.parametrize("versions, used", [
+    (("v1", "v1beta2", "v1beta1"), "v1"),      # 1.34
+    (("v1beta2", "v1beta1"), "v1beta2"),       # 1.33
+    (("v1beta1",), "v1beta1"),                 # 1.32
+])
+def test_claim_read_in_the_newest_served_version(tmp_path, versions, used):
+    server = FakeApiServer(versions=versions)
+    try:
+        server.put_claim(claim())
+        api = kubeapi.KubeApi(kubeapi.load_config(server.write_kubeconfig(str(tmp_path / "k"))))
+        got = api.get_claim("default", "c1", deadline=time.monotonic() + 5)
+        assert got["apiVersion"] == f"resource.k8s.io/{used}"
+        assert got["status"]["allocation"]["devices"]["results"][0]["device"] == "gpu-0"
+        assert api.version == used
+    finally:
+        server.stop()
+
+
+def test_missing_claim_is_one_line_not_found(server, api):
+    with pytest.raises(NvcError) as err:
+        api.get_claim("default", "gone", deadline=time.monotonic() + 5)
+    assert err.value.category == "kubernetes"
+    assert err.value.detail == "get resourceclaim default/gone: not found"
+    # found the version once (v1), then a named 404: no fallback to the betas for a missing claim
+    assert [p for _, p in server.requests] == ["/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/gone"]
+
+
+def test_slices_create_list_update_delete(server, api):
+    created = api.create_slice(a_slice())
+    assert created["metadata"]["resourceVersion"]
+    server.slices["other"] = dict(a_slice("other", node="node-b"), apiVersion="resource.k8s.io/v1")
+    listed = api.list_slices(NODE)
+    assert [s["metadata"]["name"] for s in listed] == ["node-a-gpu.nvidia.com"]
+    changed = dict(listed[0])
+    changed["spec"] = dict(changed["spec"], devices=[])
+    api.update_slice(changed)
+    assert server.slices["node-a-gpu.nvidia.com"]["spec"]["devices"] == []
+    api.delete_slice("node-a-gpu.nvidia.com")
+    api.delete_slice("node-a-gpu.nvidia.com")        # already gone: fine
+    assert [(verb, name) for verb, _, name, _ in server.writes] == [
+        ("create", "node-a-gpu.nvidia.com"), ("update", "node-a-gpu.nvidia.com"), ("delete", "node-a-gpu.nvidia.com")]
+    assert ("GET", "/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName%3Dnode-a%2Cspec.driver"
+                   "%3Dgpu.nvidia.com&limit=500") in server.requests
+
+
+def test_stale_update_is_a_conflict_not_retried(server, api):
+    api.create_slice(a_slice())
+    stale = api.list_slices(NODE)[0]
+    api.update_slice(stale)
+    with pytest.raises(NvcError, match="answered 409"):
+        api.update_slice(stale)
+
+
+def test_v1beta1_slices_are_written_with_basic_and_read_back_flat(tmp_path):
+    server = FakeApiServer(versions=("v1beta1",))
+    try:
+        api = kubeapi.KubeApi(kubeapi.load_config(server.write_kubeconfig(str(tmp_path / "k"))))
+        api.create_slice(a_slice())
+        stored = server.slices["node-a-gpu.nvidia.com"]
+        assert stored["apiVersion"] == "resource.k8s.io/v1beta1"
+        assert stored["spec"]["devices"][0]["basic"]["capacity"] == {"memory": {"value": "80Gi"}}
+        assert api.list_slices(NODE)[0]["spec"]["devices"] == a_slice()["spec"]["devices"]
+    finally:
+        server.stop()
+
+
+def test_invalid_slice_is_refused_with_the_servers_line(server, api):
+    bad = a_slice(devices=[{"name": "gpu-0", "attributes": {"cudaComputeCapability": {"version": "8.0"}}}])
+    with pytest.raises(NvcError, match=r"answered 422: .*semver"):
+        api.create_slice(bad)
+
+
+def test_wrong_token_is_refused_at_once(server, tmp_path):
+    api = kubeapi.KubeApi(kubeapi.load_config(server.write_kubeconfig(str(tmp_path / "k"), token="wrong")))
+    start = time.monotonic()
+    with pytest.raises(NvcError, match="answered 401"):
+        api.list_slices(NODE, deadline=time.monotonic() + 10)
+    assert time.monotonic() - start < 2
+
+
+def test_in_cluster_configuration_over_tls(tmp_path, monkeypatch):
+    server = FakeApiServer(token="sa-token", tls_dir=str(tmp_path / "tls"))
+    try:
+        for key, value in server.write_service_account(str(tmp_path / "sa")).items():
+            monkeypatch.setenv(key, value)
+        server.put_claim(claim())
+        api = kubeapi.KubeApi(kubeapi.load_config(service_account=str(tmp_path / "sa")))
+        assert api.get_claim("default", "c1")["metadata"]["uid"] == "u-1"
+    finally:
+        server.stop()
+
+
+def test_bad_kubeconfig_is_one_line(tmp_path):
+    path = tmp_path / "k"
+    path.write_text("{not yaml: [")
+    with pytest.raises(NvcError, match=r"^kubernetes error: kubeconfig .*/k: "):
+        kubeapi.load_config(str(path))
+
+
+def test_transient_failures_are_retried(server, api):
+    server.put_claim(claim())
+    server.fail = [503, 500, 429]
+    assert api.get_claim("default", "c1", deadline=time.monotonic() + 10)["metadata"]["name"] == "c1"
+    assert len(server.requests) == 4
+
+
+def test_down_server_gives_up_at_the_deadline(server, api):
+    server.down = True
+    start = time.monotonic()
+    with pytest.raises(NvcError) as err:
+        api.get_claim("default", "c1", deadline=time.monotonic() + 1.5)
+    took = time.monotonic() - start
+    assert 1.3 < took < 2.5
+    assert "\n" not in str(err.value) and "attempt(s)" in err.value.detail
+    assert len(server.requests) >= 3          # retried with backoff, not once, not a busy loop
+    assert len(server.requests) < 30
+
+
+def test_slow_server_is_bounded_by_the_deadline(server, api):
+    server.put_claim(claim())
+    server.slow = 5
+    start = time.monotonic()
+    with pytest.raises(NvcError, match="no answer in"):
+        api.get_claim("default", "c1", deadline=time.monotonic() + 1)
+    assert time.monotonic() - start < 2
+
+
+def test_stopped_server_then_back(server, api):
+    server.put_claim(claim())
+    server.stop()
+    with pytest.raises(NvcError):
+        api.get_claim("default", "c1", deadline=time.monotonic() + 0.5)
+    server.start()
+    assert api.get_claim("default", "c1", deadline=time.monotonic() + 5)["metadata"]["name"] == "c1"
