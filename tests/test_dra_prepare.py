@@ -16,6 +16,7 @@ import pytest
 
 from nvcontainer.cdi import generate, store
 from nvcontainer.dra import checkpoint, claimspec
+from nvcontainer.dra.command import device_table
 from nvcontainer.dra.prepare import Preparer
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build
@@ -57,13 +58,7 @@ class Claims:
 
 
 def table_of(inv) -> dict:
-    out = {}
-    for gpu in inv.gpus:
-        if not gpu.mig_enabled:
-            out[f"gpu-{gpu.minor}"] = (gpu, None)
-        for mig in gpu.migs:
-            out[f"gpu-{gpu.minor}-mig-{mig.gi}-{mig.ci}"] = (gpu, mig)
-    return out
+    return device_table(inv, None)
 
 
 @pytest.fixture(scope="module")

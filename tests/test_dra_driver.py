@@ -1,0 +1,178 @@
+"""``nvcontainer dra-driver`` as the kubelet sees it: a real plugin process on the fake GPU
+machines, the fake API server (tests/fixtures/kubeapi.py) serving the claims, and a fake
+kubelet (tests/fixtures/dra_kubelet.py: the plugin watcher's registration client and the DRA
+clients generated from the published protos).
+
+The devices a claim gets are checked against the fake machine's own description (machine.json),
+not against the plugin's code."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from nvcontainer.cdi import store
+from nvcontainer.dra import checkpoint, claimspec
+from tests.fixtures.dra_kubelet import FakeDraKubelet
+from tests.fixtures.fakegpu import FakeSpec
+from tests.fixtures.kubeapi import FakeApiServer
+from tests.fixtures.kubelet import Plugin, plugin_config
+
+NODE = "node-a"
+DRIVER = "gpu.nvidia.com"
+API = "resource.nvidia.com/v1beta1"
+
+
+@pytest.fixture(scope="module")
+def machine(fake_machine_factory):
+    return fake_machine_factory(FakeSpec(gpus=2))
+
+
+class Node:
+    """The directories of one node: kubelet's, CDI's, and the plugin's state."""
+
+    def __init__(self, base):
+        self.base = base
+        self.registrar = base / "plugins_registry"
+        self.plugins = base / "plugins"
+        self.cdi = base / "cdi"
+        for d in (self.registrar, self.plugins):
+            d.mkdir(mode=0o700, exist_ok=True)
+        self.config = plugin_config(base / "config.toml", base / "cache", {})
+
+    def args(self, kubeconfig: str) -> list[str]:
+        return ["--node-name", NODE, "--cdi-root", str(self.cdi), "--kubelet-registrar-directory-path",
+                str(self.registrar), "--kubelet-plugins-directory-path", str(self.plugins), "--kubeconfig", kubeconfig,
+                "--hook-path", "/usr/local/bin/nvcontainer-hook"]
+
+    def specs(self) -> list[str]:
+        return sorted(os.listdir(self.cdi)) if self.cdi.exists() else []
+
+
+@contextlib.contextmanager
+def driver(machine, node: Node, server: FakeApiServer, *, env=None):
+    plugin = Plugin(machine, node.config, node.base / "debug.log", node.args(server.write_kubeconfig(
+        str(node.base / "kubeconfig"))), command="dra-driver", env=env)
+    kubelet = FakeDraKubelet(node.registrar, node.plugins, timeout=20)
+    try:
+        plugin.wait_for("serving gpu.nvidia.com")
+        kubelet.wait_registered()
+        plugin.wait_for("registered with the kubelet")
+        yield kubelet, plugin
+    finally:
+        code = plugin.terminate()
+        err = plugin.stderr()
+        assert "Traceback" not in err, err
+        assert code == 0, err
+
+
+def put(server: FakeApiServer, name: str, devices, *, configs=(), request="gpu", pool=NODE) -> tuple[str, str, str]:
+    claim = server.put_claim({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"namespace": "default", "name": name, "uid": f"0000-{name}"},
+        "status": {"allocation": {"devices": {
+            "results": [{"request": request, "driver": DRIVER, "pool": pool, "device": d} for d in devices],
+            "config": list(configs)}}}})
+    return "default", name, claim["metadata"]["uid"]
+
+
+@pytest.fixture
+def server():
+    s = FakeApiServer()
+    yield s
+    s.stop()
+
+
+def test_registration_as_the_plugin_watcher_sees_it(machine, tmp_path, server):
+    node = Node(tmp_path)
+    with driver(machine, node, server) as (kubelet, _):
+        info = kubelet.info
+        assert (info.type, info.name) == ("DRAPlugin", DRIVER)
+        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        assert info.endpoint == str(node.plugins / DRIVER / "dra.sock")
+        assert sorted(os.listdir(node.registrar)) == [f"{DRIVER}-reg.sock"]
+    assert os.listdir(node.registrar) == [] and not (node.plugins / DRIVER / "dra.sock").exists()
+
+
+@pytest.mark.parametrize("version", ["v1.DRAPlugin", "v1beta1.DRAPlugin"])
+def test_prepare_and_unprepare_in_each_version(machine, tmp_path, server, version):
+    node = Node(tmp_path)
+    truth = machine.description()["gpus"]
+    one = put(server, "one", ["gpu-1"])
+    both = put(server, "both", ["gpu-0", "gpu-1"])
+    with driver(machine, node, server) as (kubelet, _):
+        got = kubelet.prepare(one, both, version=version)
+        assert got[one[2]] == ("", [("gpu-1", [f"k8s.gpu.nvidia.com/claim={one[2]}-gpu-1"])])
+        assert [d for d, _ in got[both[2]][1]] == ["gpu-0", "gpu-1"]
+        assert node.specs() == sorted(claimspec.file_name(c[2]) for c in (one, both))
+        spec = store.read_spec(str(node.cdi / claimspec.file_name(one[2]))).spec
+        nodes = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
+        minor = next(g["minor"] for g in truth if g["index"] == 1)
+        assert f"/dev/nvidia{minor}" in nodes and len([n for n in nodes if n.startswith("/dev/nvidia")]) == 1
+        assert kubelet.unprepare(one, both, version=version) == {one[2]: "", both[2]: ""}
+        assert node.specs() == []
+
+
+def test_restart_keeps_prepared_claims_and_kubelet_wipes_are_repaired(machine, tmp_path, server):
+    node = Node(tmp_path)
+    claim = put(server, "keep", ["gpu-0"])
+    with driver(machine, node, server) as (kubelet, plugin):
+        first = kubelet.prepare(claim)
+        kubelet.wipe()                                   # the kubelet restarts and cleans up
+        plugin.wait_for("serving and registering again")
+        kubelet.wait_registered(new=True)
+        assert kubelet.prepare(claim) == first
+    server.delete_claim("default", "keep")               # gone from the API server meanwhile
+    reads = len(server.requests)
+    with driver(machine, node, server) as (kubelet, _):
+        assert kubelet.prepare(claim) == first            # from the checkpoint
+        assert len(server.requests) == reads
+        assert kubelet.unprepare(claim) == {claim[2]: ""}
+    assert node.specs() == []
+
+
+def test_faults_are_errors_naming_the_claim_and_the_plugin_keeps_serving(machine, tmp_path, server):
+    node = Node(tmp_path)
+    absent = put(server, "absent", ["gpu-7"])
+    other_pool = put(server, "elsewhere", ["gpu-0"], pool="node-b")
+    bad = put(server, "bad", ["gpu-0"], configs=[{"source": "FromClaim", "requests": [], "opaque": {
+        "driver": DRIVER, "parameters": {"apiVersion": API, "kind": "GpuConfig",
+                                         "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 200}}}}}])
+    with driver(machine, node, server) as (kubelet, plugin):
+        got = kubelet.prepare(absent, other_pool, bad, ("default", "deleted", "0000-deleted"))
+        assert "device gpu-7 is not on node node-a" in got[absent[2]][0]
+        assert got[other_pool[2]] == ("", [])            # nothing of this node in it
+        assert "defaultActiveThreadPercentage: 200" in got[bad[2]][0]
+        assert "claim default/deleted: deleted" in got["0000-deleted"][0]
+        assert node.specs() == []
+        # malformed request: refused, and the plugin keeps serving
+        pb, stub, channel = kubelet.service()
+        with channel, pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources")(b"\xff\xff", timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # the API server down: an error in time, not a hang
+        server.down = True
+        start = time.monotonic()
+        down = put(server, "down", ["gpu-0"])
+        got = kubelet.prepare(down, timeout=6)
+        assert got[down[2]][0] and time.monotonic() - start < 6
+        server.down = False
+        assert kubelet.prepare(down)[down[2]][0] == ""
+        assert "Traceback" not in plugin.stderr()
+
+
+def test_a_hostile_checkpoint_is_rebuilt_with_one_line(machine, tmp_path, server):
+    node = Node(tmp_path)
+    claim = put(server, "c", ["gpu-1"])
+    with driver(machine, node, server) as (kubelet, _):
+        first = kubelet.prepare(claim)
+    (node.plugins / DRIVER / checkpoint.NAME).write_bytes(b'{"version":1,"claims":{"x":' + b"[" * 100000)
+    with driver(machine, node, server) as (kubelet, plugin):
+        lines = [line for line in plugin.stderr().splitlines() if line.startswith("nvcontainer dra-driver: checkpoint")]
+        assert len(lines) == 1 and "rebuilt from 1 claim specs" in lines[0], plugin.stderr()
+        assert kubelet.prepare(claim) == first
