@@ -36,8 +36,9 @@ def machine(fake_machine_factory):
 class Node:
     """The directories of one node: kubelet's, CDI's, and the plugin's state."""
 
-    def __init__(self, base):
+    def __init__(self, base, hook: str = "/usr/local/bin/nvcontainer-hook"):
         self.base = base
+        self.hook = hook
         self.registrar = base / "plugins_registry"
         self.plugins = base / "plugins"
         self.cdi = base / "cdi"
@@ -48,7 +49,7 @@ class Node:
     def args(self, kubeconfig: str) -> list[str]:
         return ["--node-name", NODE, "--cdi-root", str(self.cdi), "--kubelet-registrar-directory-path",
                 str(self.registrar), "--kubelet-plugins-directory-path", str(self.plugins), "--kubeconfig", kubeconfig,
-                "--hook-path", "/usr/local/bin/nvcontainer-hook"]
+                "--hook-path", self.hook]
 
     def specs(self) -> list[str]:
         return sorted(os.listdir(self.cdi)) if self.cdi.exists() else []
