@@ -17,18 +17,14 @@ the machine (docs/engines/kubernetes-dra-node.md has a run).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
-import shutil
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 
-from .deviceplugin import RESULTS, summary
+from .deviceplugin import RESULTS, on_fake_machine, summary
 
 NODE = "bench-node"
 
@@ -126,26 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--claims", type=int, default=100)
     parser.add_argument("--callers", type=int, default=8)
     opts = parser.parse_args(argv)
-    if os.geteuid() != 0:
-        print("benchmarks.dra: run as root (the fake GPU machine needs mknod and mount namespaces)", file=sys.stderr)
+    result, out = on_fake_machine("dra", lambda machine, base: measure(machine, base, opts.samples, opts.claims,
+                                                                       opts.callers))
+    if result is None:
         return 2
-    from tests.fixtures.fakegpu import FakeSpec, build
-
-    from .run import machine_facts
-
-    base = Path(tempfile.mkdtemp(prefix="nvc-dra-bench-"))
-    base.chmod(0o755)
-    try:
-        machine = build(base / "machine", FakeSpec(gpus=8))
-        facts = machine_facts()
-        result = measure(machine, base, opts.samples, opts.claims, opts.callers)
-        facts["loadavg_end"] = os.getloadavg()[0]
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    record = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": facts, **result}
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"dra-{time.strftime('%Y-%m-%dT%H%M%SZ', time.gmtime())}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
     for key, label in (("one_gpu", "1 GPU"), ("eight_gpus", "8 GPUs")):
         lat = result[key]["latency_ms"]
         print(f"prepare, {label}: p50 {lat['p50']:.1f} ms  p99 {lat['p99']:.1f} ms  ({lat['n']} claims, "

@@ -28,7 +28,7 @@ from tests.test_cdi_podman import CHECKS, run_podman_cdi
 from tests.test_dra_driver import Node, driver, put
 from tests.test_e2e_runtimes import ENXIO, parse
 from tests.test_engines_setup import CHECKS as CRI_CHECKS
-from tests.test_engines_setup import facts, need, node, setup   # noqa: F401 (node: a fixture)
+from tests.test_engines_setup import containerd_16, facts, need, node   # noqa: F401 (node: a fixture)
 
 HOOK = Path(sys.executable).parent / "nvcontainer-hook"
 
@@ -88,12 +88,7 @@ def test_two_pods_sharing_a_claim_both_get_it(machine, prepared, tmp_path):
 def test_containerd_16_cri(machine, prepared, node, tmp_path):   # noqa: F811
     need("containerd", "ctr", "runc")
     cdi, names = prepared
-    base = cri.prepare(tmp_path / "c")
-    prefix = tmp_path / "root"
-    main = prefix / "etc/containerd/config.toml"
-    main.parent.mkdir(parents=True)
-    main.write_text((base / "config.toml").read_text())
-    setup(node, prefix, "containerd", "--engine-version", "1.6.20")
+    base, prefix, main = containerd_16(node, tmp_path)
     # containerd passes a container's annotations to its OCI spec only where the handler allows
     # them (container_annotations); nvidia-ctk's CDI setup allows cdi.k8s.io/*, ours does not yet
     dropin = prefix / "etc/containerd/conf.d/99-nvidia.toml"

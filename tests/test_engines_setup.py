@@ -169,17 +169,24 @@ def test_dockerd_with_nvidia_as_the_default_runtime(machine, node, tmp_path):
     assert not daemon.exists()   # setup made it; undo takes it back whole
 
 
-def test_containerd_cri_with_the_runtime_handler_setup_wrote(machine, node, tmp_path):
-    """Kubernetes' way: pods through containerd's CRI gRPC endpoint with the runtime handler
-    'nvidia' from the drop-in setup wrote (containerd 1.6: the handler is the route; no CDI)."""
-    need("containerd", "ctr", "runc")
-    pytest.importorskip("grpc")
+def containerd_16(node: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """The CRI world's directory, the prefix ``setup containerd`` (1.6.20) wrote into, and the
+    main config.toml there."""
     base = cri.prepare(tmp_path / "c")
     prefix = tmp_path / "root"
     main = prefix / "etc/containerd/config.toml"
     main.parent.mkdir(parents=True)
     main.write_text((base / "config.toml").read_text())
     setup(node, prefix, "containerd", "--engine-version", "1.6.20")
+    return base, prefix, main
+
+
+def test_containerd_cri_with_the_runtime_handler_setup_wrote(machine, node, tmp_path):
+    """Kubernetes' way: pods through containerd's CRI gRPC endpoint with the runtime handler
+    'nvidia' from the drop-in setup wrote (containerd 1.6: the handler is the route; no CDI)."""
+    need("containerd", "ctr", "runc")
+    pytest.importorskip("grpc")
+    base, prefix, main = containerd_16(node, tmp_path)
     assert f'imports = ["{containerd_setup.DROPIN}"]' in main.read_text()
     other = 'cat /dev/nvidia1 2>&1 | head -1; [ -e /dev/nvidia0 ] || echo ZERO:absent'
     results, res = cri.run(machine, base, main, f"{prefix / 'etc'}:{node / 'etc'}", [
