@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -26,6 +27,7 @@ from tests.fixtures.kubelet import Plugin, plugin_config
 NODE = "node-a"
 DRIVER = "gpu.nvidia.com"
 API = "resource.nvidia.com/v1beta1"
+MIG = FakeSpec(gpus=2, mig=True, mig_gpus=1, mig_devices=2, mig_profiles=("1g.10gb", "2g.20gb"))
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +179,43 @@ def test_a_hostile_checkpoint_is_rebuilt_with_one_line(machine, tmp_path, server
         lines = [line for line in plugin.stderr().splitlines() if line.startswith("nvcontainer dra-driver: checkpoint")]
         assert len(lines) == 1 and "rebuilt from 1 claim specs" in lines[0], plugin.stderr()
         assert kubelet.prepare(claim) == first
+
+
+def test_a_shared_claim_prepared_for_two_pods_at_once_is_read_once(machine, tmp_path, server):
+    """Two pods of one claim: the kubelet prepares it for each, maybe at once; one API read, one
+    spec, the same answer."""
+    node = Node(tmp_path)
+    shared = put(server, "shared", ["gpu-0"])
+    with driver(machine, node, server) as (kubelet, _):
+        before = len([r for r in server.requests if "resourceclaims" in r[1]])
+        server.slow = 0.5
+        with ThreadPoolExecutor(2) as pool:
+            one, two = pool.map(lambda _: kubelet.prepare(shared), range(2))
+        server.slow = 0.0
+        assert one == two and one[shared[2]][0] == ""
+        assert len([r for r in server.requests if "resourceclaims" in r[1]]) - before == 1
+        assert node.specs() == [claimspec.file_name(shared[2])]
+
+
+def test_a_mig_claim(fake_machine_factory, tmp_path, server):
+    machine = fake_machine_factory(MIG)
+    truth = machine.description()["gpus"]
+    node = Node(tmp_path)
+    with driver(machine, node, server) as (kubelet, _):
+        from nvcontainer.dra import names
+        from nvcontainer.inventory.build import build
+
+        inv = build(str(machine.root), proc=str(machine.proc))
+        migs = [n for n in names.devices(inv) if n.mig is not None]
+        whole = [n for n in names.devices(inv) if n.mig is None]
+        claim = put(server, "mig", [migs[0].name, whole[0].name])
+        error, devices = kubelet.prepare(claim)[claim[2]]
+        assert error == "" and [d for d, _ in devices] == [migs[0].name, whole[0].name]
+        spec = store.read_spec(str(node.cdi / claimspec.file_name(claim[2]))).spec
+        by_name = {d["name"]: [n["path"] for n in d["containerEdits"]["deviceNodes"]] for d in spec["devices"]}
+        mig_truth = next(m for g in truth for m in g["migs"] if m["uuid"] == migs[0].mig.uuid)
+        parent = next(g for g in truth if any(m["uuid"] == mig_truth["uuid"] for m in g["migs"]))
+        nodes = by_name[f"{claim[2]}-{migs[0].name}"]
+        assert f"/dev/nvidia{parent['minor']}" in nodes
+        assert len([n for n in nodes if n.startswith("/dev/nvidia-caps/")]) == 2
+        assert kubelet.unprepare(claim) == {claim[2]: ""} and node.specs() == []
