@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,9 +20,9 @@ import pytest
 from nvcontainer.cdi import store
 from nvcontainer.dra import checkpoint, claimspec
 from tests.fixtures.dra_kubelet import FakeDraKubelet
-from tests.fixtures.fakegpu import FakeSpec
+from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
 from tests.fixtures.kubeapi import FakeApiServer
-from tests.fixtures.kubelet import Plugin, plugin_config
+from tests.fixtures.kubelet import Plugin, inject_event, plugin_config
 
 NODE = "node-a"
 DRIVER = "gpu.nvidia.com"
@@ -59,8 +59,8 @@ class Node:
 
 @contextlib.contextmanager
 def driver(machine, node: Node, server: FakeApiServer, *, env=None):
-    plugin = Plugin(machine, node.config, node.base / "debug.log", node.args(server.write_kubeconfig(
-        str(node.base / "kubeconfig"))), command="dra-driver", env=env)
+    args = [*node.args(server.write_kubeconfig(str(node.base / "kubeconfig"))), "--sysfs", str(machine.sysfs)]
+    plugin = Plugin(machine, node.config, node.base / "debug.log", args, command="dra-driver", env=env)
     kubelet = FakeDraKubelet(node.registrar, node.plugins, timeout=20)
     try:
         plugin.wait_for("serving gpu.nvidia.com")
@@ -82,6 +82,10 @@ def put(server: FakeApiServer, name: str, devices, *, configs=(), request="gpu",
             "results": [{"request": request, "driver": DRIVER, "pool": pool, "device": d} for d in devices],
             "config": list(configs)}}}})
     return "default", name, claim["metadata"]["uid"]
+
+
+def claim_reads(server: FakeApiServer) -> int:
+    return len([r for r in server.requests if "/resourceclaims/" in r[1]])
 
 
 @pytest.fixture
@@ -131,10 +135,10 @@ def test_restart_keeps_prepared_claims_and_kubelet_wipes_are_repaired(machine, t
         kubelet.wait_registered(new=True)
         assert kubelet.prepare(claim) == first
     server.delete_claim("default", "keep")               # gone from the API server meanwhile
-    reads = len(server.requests)
+    reads = claim_reads(server)
     with driver(machine, node, server) as (kubelet, _):
         assert kubelet.prepare(claim) == first            # from the checkpoint
-        assert len(server.requests) == reads
+        assert claim_reads(server) == reads
         assert kubelet.unprepare(claim) == {claim[2]: ""}
     assert node.specs() == []
 
@@ -187,13 +191,13 @@ def test_a_shared_claim_prepared_for_two_pods_at_once_is_read_once(machine, tmp_
     node = Node(tmp_path)
     shared = put(server, "shared", ["gpu-0"])
     with driver(machine, node, server) as (kubelet, _):
-        before = len([r for r in server.requests if "resourceclaims" in r[1]])
+        before = claim_reads(server)
         server.slow = 0.5
         with ThreadPoolExecutor(2) as pool:
             one, two = pool.map(lambda _: kubelet.prepare(shared), range(2))
         server.slow = 0.0
         assert one == two and one[shared[2]][0] == ""
-        assert len([r for r in server.requests if "resourceclaims" in r[1]]) - before == 1
+        assert claim_reads(server) - before == 1
         assert node.specs() == [claimspec.file_name(shared[2])]
 
 
@@ -219,3 +223,36 @@ def test_a_mig_claim(fake_machine_factory, tmp_path, server):
         assert f"/dev/nvidia{parent['minor']}" in nodes
         assert len([n for n in nodes if n.startswith("/dev/nvidia-caps/")]) == 2
         assert kubelet.unprepare(claim) == {claim[2]: ""} and node.specs() == []
+
+
+def test_slices_published_health_refuses_prepare_and_remove_slices(private_machine, tmp_path, server):
+    """The slice side runs in the same process: this node's slices appear, a GPU the health
+    watcher finds unhealthy (XID 79) is refused at prepare naming it, and --remove-slices
+    deletes the node's slices."""
+    machine = private_machine(FakeSpec(gpus=2))
+    node = Node(tmp_path)
+    plugin_config(node.config, tmp_path / "cache", {"heartbeat-seconds": 0.2, "heartbeat-timeout-seconds": 1.0})
+    bad = next(g for g in machine.description()["gpus"] if g["index"] == 1)
+    claim = put(server, "sick", [f"gpu-{bad['minor']}"])
+    with driver(machine, node, server) as (kubelet, plugin):
+        end = time.monotonic() + 30
+        while not server.node_slices(NODE) and time.monotonic() < end:
+            time.sleep(0.1)
+        names = {d["name"] for s in server.node_slices(NODE) for d in s["spec"]["devices"]}
+        assert names == {f"gpu-{g['minor']}" for g in machine.description()["gpus"]}
+        plugin.wait_for("watching 2 GPU(s)")
+        inject_event(machine, 1, 79)
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            error, _ = kubelet.prepare(claim)[claim[2]]
+            if error:
+                break
+            kubelet.unprepare(claim)
+            time.sleep(0.2)
+        assert f"device gpu-{bad['minor']} ({bad['uuid']}) is unhealthy" in error, plugin.stderr()
+    kubeconfig = server.write_kubeconfig(str(tmp_path / "kubeconfig"))
+    res = run_in_fake_proc(machine, [sys.executable, "-m", "nvcontainer", "dra-driver", "--node-name", NODE,
+                                     "--kubeconfig", kubeconfig, "--remove-slices"],
+                           capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.startswith("removed "), res.stderr
+    assert server.node_slices(NODE) == []

@@ -28,11 +28,20 @@ from .context import Context
 @click.option("--kubeconfig", envvar="KUBECONFIG", metavar="FILE",
               help="The API server's kubeconfig. [env KUBECONFIG; default: in-cluster]")
 @click.option("--hook-path", metavar="PATH", help="nvcontainer-hook as the runtime will run it. [default: the installed one]")
+@click.option("--taint-unhealthy", is_flag=True, help="Keep unhealthy devices in the slices, tainted, instead of withdrawing them.")
+@click.option("--remove-slices", is_flag=True, help="Delete this node's gpu.nvidia.com ResourceSlices and exit (uninstall).")
+@click.option("--sysfs", metavar="DIR", default="/sys", hidden=True, help="Where the GPUs' PCI roots are read (tests).")
 @click.pass_obj
-def dra_driver(obj: Context, node_name, cdi_root, nvidia_driver_root, registrar, plugins, kubeconfig, hook_path) -> None:
+def dra_driver(obj: Context, node_name, cdi_root, nvidia_driver_root, registrar, plugins, kubeconfig, hook_path,
+               taint_unhealthy, remove_slices, sysfs) -> None:
     """Serve the kubelet's DRA plugin API (gpu.nvidia.com) for this node's GPUs."""
+    import sys
+
     from ..dra import command
 
+    if remove_slices:
+        sys.stdout.write(command.remove_slices(kubeconfig, node_name or "") + "\n")
+        return
     config = obj.config.with_overrides(root=nvidia_driver_root) if nvidia_driver_root else obj.config
     command.run(config, node_name=node_name or "", cdi_root=cdi_root, registrar_dir=registrar, plugins_dir=plugins,
-                kubeconfig=kubeconfig, hook_path=hook_path)
+                kubeconfig=kubeconfig, hook_path=hook_path, taint=taint_unhealthy, sysfs=sysfs)

@@ -29,45 +29,83 @@ def device_table(inv, allow) -> dict:
 
 
 def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_dir: str, kubeconfig: str | None,
-        hook_path: str | None = None, poll: float | None = None) -> None:
-    """Serve until SIGTERM/SIGINT."""
+        hook_path: str | None = None, taint: bool = False, sysfs: str = "/sys") -> None:
+    """Serve until SIGTERM/SIGINT: the kubelet side (:mod:`agent`) and the slice side
+    (:mod:`keeper`) in one event loop, the slice side's health verdicts and new inventories
+    handed to the preparer."""
     from ..cdi import commands, generate
     from ..inventory.cache import cached_inventory
     from ..kubelet.report import Reporter
     from ..request.selection import allow_list
     from . import names
 
-    if not node_name:
-        raise NvcError("input", "--node-name (or NODE_NAME) is required: the pool this node's devices are in")
-    for flag, path in (("--cdi-root", cdi_root), ("--kubelet-registrar-directory-path", registrar_dir),
-                       ("--kubelet-plugins-directory-path", plugins_dir)):
-        if not os.path.isabs(path):
-            raise NvcError("input", f"{flag} {escape(path)}: must be an absolute path")
+    _check(node_name, cdi_root, registrar_dir, plugins_dir)
     os.umask(0o077)
     reporter = Reporter("dra-driver")
     reporter.take_over_logging()
     inv = cached_inventory(config)
-    allow = allow_list(inv, config.allowed_devices)
-    table = device_table(inv, allow)
+
+    def allow(inventory):
+        return allow_list(inventory, config.allowed_devices)
+
+    table = device_table(inv, allow(inv))
     log.info(f"devices offered: {', '.join(table) or 'none'}")
     opts = generate.Options(hook_path=hook_path or commands.default_hook_path(), ldconfig=config.ldconfig_program(),
                             deadline=config.deadline)
-
-    from .kubeapi import KubeApi, load_config
-    api = KubeApi(load_config(kubeconfig))
+    api = _api(kubeconfig)
 
     def get_claim(namespace: str, name: str, deadline: float) -> dict:
         return api.get_claim(namespace, name, deadline=deadline)
 
-    from .agent import POLL, serve
+    from .agent import serve
+    from .keeper import keep_published
     from .prepare import Preparer
 
     async def main() -> None:
         preparer = Preparer(inv, table, node_name, cdi_root, os.path.join(plugins_dir, names.DRIVER), opts,
                             get_claim, reporter.say)
-        await serve(preparer, names.DRIVER, registrar_dir, plugins_dir, reporter, poll or POLL)
+
+        def new_inventory(now) -> None:
+            preparer.inv, preparer.table = now, device_table(now, allow(now))
+
+        slices = asyncio.create_task(keep_published(
+            config, api, node_name, inv, allow=allow, taint=taint, sysfs=sysfs, say=reporter.say,
+            on_health=preparer.set_unhealthy, on_inventory=new_inventory))
+        try:
+            await serve(preparer, names.DRIVER, registrar_dir, plugins_dir, reporter)
+        finally:
+            slices.cancel()
+            await asyncio.gather(slices, return_exceptions=True)
 
     try:
         asyncio.run(main())
     finally:
         api.close()
+
+
+def remove_slices(kubeconfig: str | None, node_name: str) -> str:
+    """``--remove-slices``: this node's slices deleted; the line to print."""
+    from .publish import remove_slices as remove
+
+    if not node_name:
+        raise NvcError("input", "--node-name (or NODE_NAME) is required: the node whose slices are removed")
+    api = _api(kubeconfig)
+    try:
+        return remove(api, node_name)
+    finally:
+        api.close()
+
+
+def _api(kubeconfig: str | None):
+    from .kubeapi import KubeApi, load_config
+
+    return KubeApi(load_config(kubeconfig))
+
+
+def _check(node_name: str, *paths) -> None:
+    if not node_name:
+        raise NvcError("input", "--node-name (or NODE_NAME) is required: the pool this node's devices are in")
+    flags = ("--cdi-root", "--kubelet-registrar-directory-path", "--kubelet-plugins-directory-path")
+    for flag, path in zip(flags, paths):
+        if not os.path.isabs(path):
+            raise NvcError("input", f"{flag} {escape(path)}: must be an absolute path")

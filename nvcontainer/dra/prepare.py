@@ -27,6 +27,7 @@ import os
 import time
 
 from ..cdi import generate, store
+from .. import log
 from ..errors import NvcError, escape
 from . import checkpoint, claims, claimspec
 
@@ -37,10 +38,11 @@ MARGIN = 2.0                # answered this long before the caller's deadline
 class Preparer:
     """``inv``: the inventory; ``table``: DRA device name → (gpu, mig) of the devices this node
     offers; ``get_claim(namespace, name, deadline)``: a blocking call returning the claim dict
-    (NvcError ending "not found" when there is none); ``unhealthy()``: UUID → reason."""
+    (NvcError ending "not found" when there is none); ``unhealthy()``: UUID → reason (by
+    default what :meth:`set_unhealthy` was last given)."""
 
     def __init__(self, inv, table: dict, node: str, cdi_root: str, state_dir: str, opts: generate.Options,
-                 get_claim, say, unhealthy=dict):
+                 get_claim, say, unhealthy=None):
         self.inv = inv
         self.table = table
         self.node = node
@@ -49,11 +51,19 @@ class Preparer:
         self.opts = opts
         self.get_claim = get_claim
         self.say = say
-        self.unhealthy = unhealthy
+        self.bad: dict[str, str] = {}
+        self.unhealthy = unhealthy or (lambda: self.bad)
         self.locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self.saving = asyncio.Lock()
         os.makedirs(state_dir, mode=0o700, exist_ok=True)
         self.claims = checkpoint.load(state_dir, cdi_root, say)
+
+    def set_unhealthy(self, bad: dict) -> None:
+        """The health watcher's verdicts (UUID → why): such a device is refused at prepare."""
+        if bad == self.bad:
+            return
+        self.bad = dict(bad)
+        log.info(f"prepare refuses {len(self.bad)} unhealthy device(s): {', '.join(self.bad) or 'none'}")
 
     @contextlib.asynccontextmanager
     async def _lock(self, uid: str):
