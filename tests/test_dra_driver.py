@@ -256,3 +256,24 @@ def test_slices_published_health_refuses_prepare_and_remove_slices(private_machi
                            capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.startswith("removed "), res.stderr
     assert server.node_slices(NODE) == []
+
+
+def test_a_kubelet_restart_mid_prepare(machine, tmp_path, server):
+    """The kubelet restarts (its sockets wiped) while a prepare waits on a slow API server: the
+    prepare finishes, the plugin serves and registers again, the repeated prepare gets the same
+    names from the checkpoint, and the CDI directory holds the one spec, nothing half-written."""
+    node = Node(tmp_path)
+    claim = put(server, "midway", ["gpu-1"])
+    with driver(machine, node, server) as (kubelet, plugin):
+        server.slow = 1.5
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(kubelet.prepare, claim)
+            time.sleep(0.5)
+            kubelet.wipe()
+            first = pending.result(timeout=30)
+        server.slow = 0.0
+        plugin.wait_for("serving and registering again")
+        kubelet.wait_registered(new=True)
+        assert kubelet.prepare(claim) == first and first[claim[2]][0] == ""
+        assert os.listdir(node.cdi) == [claimspec.file_name(claim[2])]
+        assert "Traceback" not in plugin.stderr()
