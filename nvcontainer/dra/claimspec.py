@@ -71,7 +71,9 @@ def build(inv, claim, opts: generate.Options) -> Spec:
     by_uuid = {d.name: d for d in base.devices}
     devices = []
     for unit in dict((u.device, u) for u in claim.units).values():
-        device = by_uuid[unit.uuid]
+        device = by_uuid.get(unit.uuid)
+        if device is None:
+            raise NvcError("cdi", f"device {escape(unit.device, 80)} ({unit.uuid}): no CDI edits for it")
         devices.append(replace(device, name=f"{claim.uid}-{unit.device}"))
     return replace(base, devices=tuple(devices))
 

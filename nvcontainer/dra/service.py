@@ -12,6 +12,7 @@ kept for a request that is not a valid message at all.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -92,13 +93,12 @@ class DraService:
         left = context.time_remaining()
         deadline = time.monotonic() + left if left is not None else None
         out = self.pb.NodePrepareResourcesResponse()
-        for claim in claims:
+        results = await asyncio.gather(*(self._one("prepare", self.preparer.prepare(c.namespace, c.name, c.uid, deadline),
+                                                   c) for c in claims))
+        for claim, (error, devices) in zip(claims, results):
             entry = out.claims[claim.uid]
-            try:
-                devices = await self.preparer.prepare(claim.namespace, claim.name, claim.uid, deadline)
-            except NvcError as exc:
-                entry.error = exc.detail
-                self.say(f"prepare {escape(claim.namespace, 80)}/{escape(claim.name, 120)} failed: {exc.detail}")
+            if error:
+                entry.error = error
                 continue
             for d in devices:
                 device = entry.devices.add(request_names=[d["request"]], pool_name=d["pool"],
@@ -112,13 +112,23 @@ class DraService:
     async def unprepare(self, request, context):
         claims = await self._claims(request, context, "NodeUnprepareResources")
         out = self.pb.NodeUnprepareResourcesResponse()
-        for claim in claims:
-            entry = out.claims[claim.uid]
-            try:
-                await self.preparer.unprepare(claim.namespace, claim.name, claim.uid)
-            except NvcError as exc:
-                entry.error = exc.detail
-                self.say(f"unprepare {escape(claim.namespace, 80)}/{escape(claim.name, 120)} failed: {exc.detail}")
-                continue
-            log.info(f"unprepared {claim.namespace}/{claim.name} ({claim.uid})")
+        results = await asyncio.gather(*(self._one("unprepare", self.preparer.unprepare(c.namespace, c.name, c.uid),
+                                                   c) for c in claims))
+        for claim, (error, _) in zip(claims, results):
+            out.claims[claim.uid].error = error
+            if not error:
+                log.info(f"unprepared {claim.namespace}/{claim.name} ({claim.uid})")
         return out
+
+    async def _one(self, what: str, call, claim) -> tuple[str, object]:
+        """("", result) or (the one-line error for the claim's entry, None): the claims of one
+        call are done side by side, and one that fails, even unexpectedly, fails alone."""
+        label = f"{escape(claim.namespace, 80)}/{escape(claim.name, 120)}"
+        try:
+            return "", await call
+        except NvcError as exc:
+            error = exc.detail
+        except Exception as exc:      # a bug must cost the claim, not the call or the plugin
+            error = f"claim {label}: internal error: {type(exc).__name__}: {escape(str(exc), 200)}"
+        self.say(f"{what} {label} failed: {error}")
+        return error, None
