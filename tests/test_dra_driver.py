@@ -277,3 +277,18 @@ def test_a_kubelet_restart_mid_prepare(machine, tmp_path, server):
         assert kubelet.prepare(claim) == first and first[claim[2]][0] == ""
         assert os.listdir(node.cdi) == [claimspec.file_name(claim[2])]
         assert "Traceback" not in plugin.stderr()
+
+
+def test_a_refused_registration_is_one_line_and_the_plugin_keeps_serving(machine, tmp_path, server):
+    node = Node(tmp_path)
+    args = [*node.args(server.write_kubeconfig(str(node.base / "kubeconfig"))), "--sysfs", str(machine.sysfs)]
+    plugin = Plugin(machine, node.config, node.base / "debug.log", args, command="dra-driver")
+    try:
+        FakeDraKubelet(node.registrar, node.plugins, refuse="plugin name taken").wait_registered()
+        plugin.wait_for("the kubelet refused the registration: plugin name taken")
+        kubelet = FakeDraKubelet(node.registrar, node.plugins)
+        kubelet.wait_registered()                      # the watcher tries again: still served
+        plugin.wait_for("registered with the kubelet as gpu.nvidia.com")
+    finally:
+        assert plugin.terminate() == 0
+    assert "Traceback" not in plugin.stderr()
