@@ -65,6 +65,14 @@ def help_options(*args: str) -> list[tuple[str | None, str]]:
     return options
 
 
+def man_warnings(page: Path) -> str:
+    """What ``man --warnings`` says of ``page`` at 80 columns ("" when it renders cleanly)."""
+    env = dict(os.environ, MANWIDTH="80")
+    result = subprocess.run(["man", "--warnings", "-l", str(page)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+    return result.stderr or ("" if result.returncode == 0 else f"exit status {result.returncode}")
+
+
 def assert_documented(options, text: str, where: str) -> None:
     for short, long in options:
         lines = [line for line in text.splitlines() if mentions(line, long)]

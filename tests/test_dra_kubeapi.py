@@ -10,7 +10,7 @@ import pytest
 
 from nvcontainer.dra import kubeapi
 from nvcontainer.errors import NvcError
-from tests.fixtures.kubeapi import FakeApiServer
+from tests.fixtures.kubeapi import FakeApiServer, fake_api  # noqa: F401 (a fixture)
 
 NODE = "node-a"
 
@@ -33,10 +33,9 @@ def a_slice(name="node-a-gpu.nvidia.com", node=NODE, devices=None) -> dict:
 
 
 @pytest.fixture
-def server():
-    s = FakeApiServer(token="secret")
-    yield s
-    s.stop()
+def server(fake_api):
+    fake_api.token = "secret"
+    return fake_api
 
 
 @pytest.fixture

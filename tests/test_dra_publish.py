@@ -16,7 +16,7 @@ from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build
 from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.fakegpu.spec import gpu_uuid
-from tests.fixtures.kubeapi import FakeApiServer
+from tests.fixtures.kubeapi import FakeApiServer, fake_api, kube_client  # noqa: F401 (fixtures)
 from tests.fixtures.kubelet import inject_event, set_driver_state
 
 NODE = "node-a"
@@ -27,17 +27,13 @@ def inventory_of(machine):
 
 
 @pytest.fixture
-def server():
-    s = FakeApiServer()
-    yield s
-    s.stop()
+def server(fake_api):
+    return fake_api
 
 
 @pytest.fixture
-def api(server, tmp_path):
-    client = kubeapi.KubeApi(kubeapi.load_config(server.write_kubeconfig(str(tmp_path / "kubeconfig"))), timeout=1)
-    yield client
-    client.close()
+def api(kube_client):
+    return kube_client
 
 
 def names_on(server):
@@ -245,3 +241,22 @@ def test_keeper_publishes_again_when_the_inventory_changes(fake_machine, fake_ma
     asyncio.run(asyncio.wait_for(main(), 20))
     assert "the inventory changed: 2 GPU(s); publishing again" in said
     assert reads[0] == str(fake_machine.proc)
+
+
+@pytest.mark.parametrize("versions", [("v1beta2", "v1beta1"), ("v1beta1",)])
+def test_publish_to_older_api_servers(fake_machine_factory, tmp_path, versions):
+    """1.33 (v1beta2) and 1.32 (v1beta1, attributes under ``basic``): written, validated by the
+    server, read back equal, so a second sync writes nothing."""
+    server = FakeApiServer(versions=versions)
+    try:
+        api = kubeapi.KubeApi(kubeapi.load_config(server.write_kubeconfig(str(tmp_path / "k"))))
+        p = publish.Publisher(api, NODE)
+        p.inv = inventory_of(fake_machine_factory(FakeSpec(gpus=2, mig=True)))
+        assert p.sync() is True
+        (stored,) = server.node_slices(NODE)
+        assert stored["apiVersion"] == f"resource.k8s.io/{versions[0]}"
+        first = stored["spec"]["devices"][0]
+        assert ("basic" in first) == (versions[0] == "v1beta1")
+        assert p.sync() is False and len(server.writes) == 1
+    finally:
+        server.stop()

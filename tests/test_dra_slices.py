@@ -32,6 +32,19 @@ def s(value):
     return {"string": value}
 
 
+def nvidia_gpu(i, product, brand, arch, cc, bus, root, memory) -> dict:
+    """GPU ``i`` (minor = index on these machines) as NVIDIA's driver publishes it: its attribute
+    names and formats, written here by hand, filled with the machine spec's values."""
+    return {"name": f"gpu-{i}",
+            "attributes": {
+                "type": s("gpu"), "uuid": s(gpu_uuid(i)), "minor": {"int": i}, "index": {"int": i},
+                "productName": s(product), "brand": s(brand), "architecture": s(arch),
+                "cudaComputeCapability": {"version": cc}, "driverVersion": DRIVER_VERSION, "cudaDriverVersion": CUDA,
+                "pcieBusID": s(bus), "resource.kubernetes.io/pciBusID": s(bus),
+                "resource.kubernetes.io/pcieRoot": s(root)},
+            "capacity": {"memory": {"value": memory}}}
+
+
 def test_two_gpu_machine_as_nvidia_publishes_it(fake_machine):
     _, out = slices_of(fake_machine)
     assert len(out) == 1
@@ -40,51 +53,31 @@ def test_two_gpu_machine_as_nvidia_publishes_it(fake_machine):
     assert spec["driver"] == "gpu.nvidia.com" and spec["nodeName"] == NODE
     assert spec["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 1}
     assert spec["devices"] == [
-        {"name": "gpu-0",
-         "attributes": {
-             "type": s("gpu"), "uuid": s(gpu_uuid(0)), "minor": {"int": 0}, "index": {"int": 0},
-             "productName": s("NVIDIA A100-SXM4-80GB"), "brand": s("Nvidia"), "architecture": s("Ampere"),
-             "cudaComputeCapability": {"version": "8.0.0"}, "driverVersion": DRIVER_VERSION,
-             "cudaDriverVersion": CUDA,
-             "pcieBusID": s("0000:07:00.0"), "resource.kubernetes.io/pciBusID": s("0000:07:00.0"),
-             "resource.kubernetes.io/pcieRoot": s("pci0000:00")},
-         "capacity": {"memory": {"value": "80Gi"}}},
-        {"name": "gpu-1",
-         "attributes": {
-             "type": s("gpu"), "uuid": s(gpu_uuid(1)), "minor": {"int": 1}, "index": {"int": 1},
-             "productName": s("Tesla T4"), "brand": s("Tesla"), "architecture": s("Turing"),
-             "cudaComputeCapability": {"version": "7.5.0"}, "driverVersion": DRIVER_VERSION,
-             "cudaDriverVersion": CUDA,
-             "pcieBusID": s("0000:0f:00.0"), "resource.kubernetes.io/pciBusID": s("0000:0f:00.0"),
-             "resource.kubernetes.io/pcieRoot": s("pci0000:00")},
-         "capacity": {"memory": {"value": "15Gi"}}},
+        nvidia_gpu(0, "NVIDIA A100-SXM4-80GB", "Nvidia", "Ampere", "8.0.0", "0000:07:00.0", "pci0000:00", "80Gi"),
+        nvidia_gpu(1, "Tesla T4", "Tesla", "Turing", "7.5.0", "0000:0f:00.0", "pci0000:00", "15Gi"),
     ]
     assert validate_slice(out[0], "v1") == ""
 
 
 def test_eight_gpu_machine(fake_machine_factory):
     _, out = slices_of(fake_machine_factory(FakeSpec(gpus=8)))
-    got = [(d["name"], d["attributes"]["productName"]["string"], d["attributes"]["brand"]["string"],
-            d["attributes"]["architecture"]["string"], d["attributes"]["cudaComputeCapability"]["version"],
-            d["attributes"]["pcieBusID"]["string"], d["attributes"]["resource.kubernetes.io/pcieRoot"]["string"],
-            d["capacity"]["memory"]["value"]) for d in out[0]["spec"]["devices"]]
-    assert got == [
-        ("gpu-0", "NVIDIA A100-SXM4-80GB", "Nvidia", "Ampere", "8.0.0", "0000:07:00.0", "pci0000:00", "80Gi"),
-        ("gpu-1", "Tesla T4", "Tesla", "Turing", "7.5.0", "0000:0f:00.0", "pci0000:00", "15Gi"),
-        ("gpu-2", "NVIDIA H100 80GB HBM3", "Nvidia", "Hopper", "9.0.0", "0000:47:00.0", "pci0000:00", "81559Mi"),
-        ("gpu-3", "NVIDIA RTX A6000", "NvidiaRTX", "Ampere", "8.6.0", "0000:4e:00.0", "pci0000:00", "49140Mi"),
-        ("gpu-4", "NVIDIA A100-SXM4-80GB", "Nvidia", "Ampere", "8.0.0", "0000:87:00.0", "pci0000:80", "80Gi"),
-        ("gpu-5", "Tesla T4", "Tesla", "Turing", "7.5.0", "0000:90:00.0", "pci0000:80", "15Gi"),
-        ("gpu-6", "NVIDIA H100 80GB HBM3", "Nvidia", "Hopper", "9.0.0", "0000:b7:00.0", "pci0000:80", "81559Mi"),
-        ("gpu-7", "NVIDIA RTX A6000", "NvidiaRTX", "Ampere", "8.6.0", "0000:bd:00.0", "pci0000:80", "49140Mi"),
-    ]
-    assert [d["attributes"]["uuid"]["string"] for d in out[0]["spec"]["devices"]] == [gpu_uuid(i) for i in range(8)]
+    assert out[0]["spec"]["devices"] == [nvidia_gpu(i, *row) for i, row in enumerate([
+        ("NVIDIA A100-SXM4-80GB", "Nvidia", "Ampere", "8.0.0", "0000:07:00.0", "pci0000:00", "80Gi"),
+        ("Tesla T4", "Tesla", "Turing", "7.5.0", "0000:0f:00.0", "pci0000:00", "15Gi"),
+        ("NVIDIA H100 80GB HBM3", "Nvidia", "Hopper", "9.0.0", "0000:47:00.0", "pci0000:00", "81559Mi"),
+        ("NVIDIA RTX A6000", "NvidiaRTX", "Ampere", "8.6.0", "0000:4e:00.0", "pci0000:00", "49140Mi"),
+        ("NVIDIA A100-SXM4-80GB", "Nvidia", "Ampere", "8.0.0", "0000:87:00.0", "pci0000:80", "80Gi"),
+        ("Tesla T4", "Tesla", "Turing", "7.5.0", "0000:90:00.0", "pci0000:80", "15Gi"),
+        ("NVIDIA H100 80GB HBM3", "Nvidia", "Hopper", "9.0.0", "0000:b7:00.0", "pci0000:80", "81559Mi"),
+        ("NVIDIA RTX A6000", "NvidiaRTX", "Ampere", "8.6.0", "0000:bd:00.0", "pci0000:80", "49140Mi"),
+    ])]
     assert validate_slice(out[0], "v1") == ""
 
 
 def test_mig_machine(fake_machine_factory):
-    # GPU 0 (A100 80GB) in MIG mode with 1g.10gb (GI profile 19, 1 slice, 10 GiB) at slice 0,
-    # 2g.20gb (14, 2 slices, 20 GiB) at 2, 1g.10gb at 4; GPU 1 (T4) whole.
+    # GPU 0 (A100 80GB) in MIG mode with 1g.10gb (GI profile 19, 1 slice, 10 GiB, 14 SMs, 1 copy
+    # engine) at slice 0, 2g.20gb (14, 2 slices, 20 GiB, 28 SMs, 2 copy engines, 1 decoder) at 2,
+    # 1g.10gb at 4; GPU 1 (T4) whole.
     spec = FakeSpec(gpus=2, mig=True, mig_devices=3, mig_profiles=("1g.10gb", "2g.20gb"))
     _, out = slices_of(fake_machine_factory(spec))
     devices = out[0]["spec"]["devices"]
@@ -99,9 +92,14 @@ def test_mig_machine(fake_machine_factory):
             "cudaComputeCapability": {"version": "8.0.0"}, "driverVersion": DRIVER_VERSION, "cudaDriverVersion": CUDA,
             "pcieBusID": s("0000:07:00.0"), "resource.kubernetes.io/pciBusID": s("0000:07:00.0"),
             "resource.kubernetes.io/pcieRoot": s("pci0000:00")},
-        "capacity": {"memory": {"value": "20Gi"}, "memorySlice2": {"value": "1"}, "memorySlice3": {"value": "1"}},
+        "capacity": {"multiprocessors": {"value": "28"}, "copyEngines": {"value": "2"}, "decoders": {"value": "1"},
+                     "encoders": {"value": "0"}, "jpegEngines": {"value": "0"}, "ofaEngines": {"value": "0"},
+                     "memory": {"value": "20Gi"}, "memorySlice2": {"value": "1"}, "memorySlice3": {"value": "1"}},
     }
-    assert devices[0]["capacity"] == {"memory": {"value": "10Gi"}, "memorySlice0": {"value": "1"}}
+    assert devices[0]["capacity"] == {
+        "multiprocessors": {"value": "14"}, "copyEngines": {"value": "1"}, "decoders": {"value": "0"},
+        "encoders": {"value": "0"}, "jpegEngines": {"value": "0"}, "ofaEngines": {"value": "0"},
+        "memory": {"value": "10Gi"}, "memorySlice0": {"value": "1"}}
     assert validate_slice(out[0], "v1") == ""
 
 

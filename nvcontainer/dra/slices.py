@@ -16,13 +16,13 @@ written for any of those releases finds what it asks for. Values are in NVIDIA's
 * the PCI bus id lower case with a 4-digit domain (``0000:07:00.0``);
 * ``memory`` capacity in bytes as Kubernetes writes a binary quantity (``80Gi``, ``81559Mi``);
 * MIG devices: ``type`` ``mig``, ``uuid``, ``parentUUID``, ``profile`` (``1g.10gb``), the
-  parent's product attributes, ``memory`` and one ``memorySlice<i>`` capacity per memory slice
-  of its placement (how NVIDIA shows placement).
+  parent's product attributes; capacities ``multiprocessors``, ``copyEngines``, ``decoders``,
+  ``encoders``, ``jpegEngines``, ``ofaEngines`` (what NVML says the MIG device has), ``memory``,
+  and one ``memorySlice<i>`` per memory slice of its placement (how NVIDIA shows placement).
 
-Where we differ, and why: MIG devices have no ``multiprocessors``, ``copyEngines``,
-``decoders``, ``encoders``, ``jpegEngines``, ``ofaEngines`` capacities (the inventory does not
-hold the GPU instance profile's engine counts); no ``addressingMode``; and MIG devices are the
-ones that exist (NVIDIA's dynamic MIG, partitions created on demand, is not done here).
+Where we differ, and why (docs/engines/kubernetes-dra.md has the table): no ``addressingMode``;
+the MIG devices are the ones that exist (NVIDIA's dynamic MIG, partitions created on demand, is
+not done here).
 
 An unhealthy device (the device plugin's health rules, ``deviceplugin/health.py``) is withdrawn
 from the slice by default; with ``taint`` it stays, carrying NVIDIA's taint keys
@@ -118,7 +118,9 @@ def mig_device(inv: Inventory, gpu: Gpu, mig: MigDevice, name: str, roots: dict)
     attrs = {"type": _string(TYPE_MIG), "uuid": _string(mig.uuid), "parentUUID": _string(gpu.uuid),
              "profile": _string(mig.profile), "index": {"int": mig.index}, "parentIndex": {"int": gpu.index},
              **_common(inv, gpu, roots)}
-    capacity = {}
+    capacity = {name: {"value": str(value)} for name, value in (
+        ("multiprocessors", mig.multiprocessors), ("copyEngines", mig.copy_engines), ("decoders", mig.decoders),
+        ("encoders", mig.encoders), ("jpegEngines", mig.jpeg_engines), ("ofaEngines", mig.ofa_engines)) if value >= 0}
     if mig.memory:
         capacity["memory"] = {"value": binary_quantity(mig.memory)}
     for i in range(mig.placement_start, mig.placement_start + mig.placement_size):

@@ -178,10 +178,17 @@ def _count(value) -> int:
 
 def _mig_geometry(m: dict) -> dict:
     """A MIG device's optional facts (older caches and drivers lack them): memory, GPU instance
-    profile id and placement."""
+    profile id and placement, engine counts."""
     out = {"memory": _count(m.get("memory"))}
     placement = m.get("placement")
     if type(m.get("profile_id")) is int and isinstance(placement, list) and len(placement) == 2 \
             and all(type(v) is int and 0 <= v < 64 for v in placement) and 0 <= m["profile_id"] < 1 << 16:
         out.update(profile_id=m["profile_id"], placement_start=placement[0], placement_size=placement[1])
+    engines = m.get("engines")
+    if isinstance(engines, list) and len(engines) == len(ENGINES) and all(type(v) is int and 0 <= v < 1 << 16
+                                                                          for v in engines):
+        out.update(zip(ENGINES, engines))
     return out
+
+
+ENGINES = ("multiprocessors", "copy_engines", "decoders", "encoders", "jpeg_engines", "ofa_engines")

@@ -43,6 +43,13 @@ class MigDevice:
     profile_id: int = -1           # GPU instance profile id (nvmlGpuInstanceGetInfo); -1: not known
     placement_start: int = -1      # first memory slice of its GPU instance; -1: not known
     placement_size: int = 0        # memory slices it spans
+    # its engines (nvmlDeviceGetAttributes on the MIG device); -1: not known
+    multiprocessors: int = -1
+    copy_engines: int = -1
+    decoders: int = -1
+    encoders: int = -1
+    jpeg_engines: int = -1
+    ofa_engines: int = -1
 
     @property
     def profile(self) -> str:

@@ -199,6 +199,12 @@ def _migs(nv, h) -> list[dict]:
             mig["placement"] = [int(info.placement.start), int(info.placement.size)]
         except nv.NVMLError:
             pass
+        try:
+            a = nv.nvmlDeviceGetAttributes(m)
+            mig["engines"] = [int(v) for v in (a.multiprocessorCount, a.sharedCopyEngineCount, a.sharedDecoderCount,
+                                               a.sharedEncoderCount, a.sharedJpegCount, a.sharedOfaCount)]
+        except nv.NVMLError:
+            pass
         migs.append(mig)
     return migs
 
