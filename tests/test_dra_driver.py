@@ -68,6 +68,7 @@ def driver(machine, node: Node, server: FakeApiServer, *, env=None):
         plugin.wait_for("registered with the kubelet")
         yield kubelet, plugin
     finally:
+        kubelet.close()
         code = plugin.terminate()
         err = plugin.stderr()
         assert "Traceback" not in err, err

@@ -12,7 +12,8 @@ same record as a comment (:mod:`claimspec`). The checkpoint is read bounded (a h
 damaged file cannot make the plugin allocate without limit) and checked entry by entry; when
 it is unreadable, too large, truncated or of another shape, it is refused with one line and
 rebuilt from the specs, which are what the runtimes will read anyway. Writes are atomic (a
-temporary file renamed), so a crash leaves the old or the new file, never half of one.
+temporary file renamed), so a crash leaves the old or the new file, never half of one; they are
+not synced (see :func:`save`).
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ def load(directory: str, cdi_root: str, warn) -> dict[str, dict]:
 
 
 def save(directory: str, claims: dict[str, dict]) -> None:
+    """Atomic, not synced: after a crash an older checkpoint is as good (a claim it misses is
+    read again at its next prepare, and unprepare goes by the UID's spec file), and the specs,
+    which are synced, can rebuild it."""
     text = json.dumps({"version": VERSION, "claims": claims}, sort_keys=True, separators=(",", ":"))
-    store.write_atomic(os.path.join(directory, NAME), text + "\n", mode=0o600)
+    store.write_atomic(os.path.join(directory, NAME), text + "\n", mode=0o600, sync=False)
 
 
 def _read(path: str) -> dict[str, dict]:
