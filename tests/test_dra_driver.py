@@ -148,9 +148,9 @@ def test_faults_are_errors_naming_the_claim_and_the_plugin_keeps_serving(machine
     node = Node(tmp_path)
     absent = put(server, "absent", ["gpu-7"])
     other_pool = put(server, "elsewhere", ["gpu-0"], pool="node-b")
+    mps = {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 200}}
     bad = put(server, "bad", ["gpu-0"], configs=[{"source": "FromClaim", "requests": [], "opaque": {
-        "driver": DRIVER, "parameters": {"apiVersion": API, "kind": "GpuConfig",
-                                         "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 200}}}}}])
+        "driver": DRIVER, "parameters": {"apiVersion": API, "kind": "GpuConfig", "sharing": mps}}}])
     with driver(machine, node, server) as (kubelet, plugin):
         got = kubelet.prepare(absent, other_pool, bad, ("default", "deleted", "0000-deleted"))
         assert "device gpu-7 is not on node node-a" in got[absent[2]][0]
@@ -160,8 +160,9 @@ def test_faults_are_errors_naming_the_claim_and_the_plugin_keeps_serving(machine
         assert node.specs() == []
         # malformed request: refused, and the plugin keeps serving
         pb, stub, channel = kubelet.service()
+        method = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources"
         with channel, pytest.raises(grpc.RpcError) as err:
-            channel.unary_unary("/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources")(b"\xff\xff", timeout=5)
+            channel.unary_unary(method)(b"\xff\xff", timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # the API server down: an error in time, not a hang
         server.down = True

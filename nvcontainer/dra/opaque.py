@@ -187,8 +187,9 @@ def choose(items: list[Entry], request: str, device: str, kind: str) -> Sharing:
         if request in entry.requests or parent in entry.requests:
             if entry.sharing.kind != kind:
                 config = "GpuConfig" if entry.sharing.kind == "gpu" else "MigDeviceConfig"
+                what = "a MIG device" if kind == "mig" else "a GPU"
                 raise NvcError("input", f"{entry.where}: cannot apply {config} to device {escape(device, 80)} "
-                                        f"(request {escape(request, 80)}), a {'MIG device' if kind == 'mig' else 'GPU'}")
+                                        f"(request {escape(request, 80)}), {what}")
             return entry.sharing
         if not entry.requests and entry.sharing.kind == kind:
             return entry.sharing

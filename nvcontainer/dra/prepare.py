@@ -87,8 +87,8 @@ class Preparer:
         async with self._lock(uid):
             entry = self.claims.get(uid)
             path = os.path.join(self.cdi_root, claimspec.file_name(uid))
-            if entry is not None and os.path.exists(path):
-                return entry["devices"]
+            if entry is not None and (not entry["devices"] or os.path.exists(path)):
+                return entry["devices"]     # prepared before (a claim of no device here has no spec)
             label = f"{escape(namespace, 80)}/{escape(name, 120)}"
             try:
                 obj = await asyncio.wait_for(

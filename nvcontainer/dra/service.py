@@ -93,8 +93,8 @@ class DraService:
         left = context.time_remaining()
         deadline = time.monotonic() + left if left is not None else None
         out = self.pb.NodePrepareResourcesResponse()
-        results = await asyncio.gather(*(self._one("prepare", self.preparer.prepare(c.namespace, c.name, c.uid, deadline),
-                                                   c) for c in claims))
+        results = await asyncio.gather(*(
+            self._one("prepare", self.preparer.prepare(c.namespace, c.name, c.uid, deadline), c) for c in claims))
         for claim, (error, devices) in zip(claims, results):
             entry = out.claims[claim.uid]
             if error:
@@ -112,8 +112,8 @@ class DraService:
     async def unprepare(self, request, context):
         claims = await self._claims(request, context, "NodeUnprepareResources")
         out = self.pb.NodeUnprepareResourcesResponse()
-        results = await asyncio.gather(*(self._one("unprepare", self.preparer.unprepare(c.namespace, c.name, c.uid),
-                                                   c) for c in claims))
+        results = await asyncio.gather(*(
+            self._one("unprepare", self.preparer.unprepare(c.namespace, c.name, c.uid), c) for c in claims))
         for claim, (error, _) in zip(claims, results):
             out.claims[claim.uid].error = error
             if not error:
