@@ -294,3 +294,17 @@ def test_a_refused_registration_is_one_line_and_the_plugin_keeps_serving(machine
     finally:
         assert plugin.terminate() == 0
     assert "Traceback" not in plugin.stderr()
+
+
+@pytest.mark.parametrize("args, env, line", [
+    ([], {}, "nvcontainer: input error: --node-name (or NODE_NAME) is required"),
+    (["--cdi-root", "relative"], {"NODE_NAME": "n"}, "nvcontainer: input error: --cdi-root relative: must be an absolute"),
+    (["--kubeconfig", "/nonexistent", "--remove-slices"], {"NODE_NAME": "n"},
+     "nvcontainer: kubernetes error: kubeconfig /nonexistent: "),
+])
+def test_bad_input_is_one_line(args, env, line, tmp_path):
+    import subprocess
+
+    res = subprocess.run([sys.executable, "-m", "nvcontainer", "dra-driver", *args], capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], **env}, cwd=tmp_path, timeout=60)
+    assert res.returncode == 1 and res.stderr.startswith(line) and res.stderr.count("\n") == 1, res.stderr
