@@ -20,7 +20,8 @@ from tests.fixtures.kubeapi import FakeApiServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes" / "dra"
-PUBLIC_CALLS = {"get_claim", "list_slices", "create_slice", "update_slice", "delete_slice"}
+PUBLIC_CALLS = {"get_claim", "get_node", "list_slices", "create_slice", "update_slice", "delete_slice"}
+GROUPS = {"resourceclaims": "resource.k8s.io", "resourceslices": "resource.k8s.io", "nodes": ""}
 
 
 def objects(path: Path) -> list[dict]:
@@ -55,6 +56,8 @@ def verbs_used(tmp_path) -> set[tuple[str, str]]:
         assert public == PUBLIC_CALLS, "a new API call: add it here and to rbac.yaml"
         server.put_claim({"metadata": {"namespace": "ns", "name": "c"}, "spec": {}})
         api.get_claim("ns", "c")
+        server.put_node("n")
+        api.get_node("n")
         body = {"metadata": {"name": "s"}, "spec": {"driver": "gpu.nvidia.com", "nodeName": "n", "devices": [],
                                                     "pool": {"name": "n", "generation": 1, "resourceSliceCount": 1}}}
         api.create_slice(body)
@@ -65,7 +68,8 @@ def verbs_used(tmp_path) -> set[tuple[str, str]]:
         server.stop()
     used = set()
     for method, path in server.requests:
-        resource, named = re.match(r"/apis/resource\.k8s\.io/v1/(?:namespaces/[^/]+/)?(\w+)(/[^?]+)?", path).groups()
+        resource, named = re.match(r"/apis?/(?:resource\.k8s\.io/)?v1/(?:namespaces/[^/]+/)?(\w+)(/[^?]+)?",
+                                   path).groups()
         verb = {"GET": "get" if named else "list", "POST": "create", "PUT": "update", "DELETE": "delete"}[method]
         used.add((resource, verb))
     return used
@@ -75,7 +79,7 @@ def test_rbac_grants_exactly_the_verbs_the_client_uses(tmp_path):
     (role,) = by_kind("ClusterRole")
     granted = set()
     for rule in role["rules"]:
-        assert rule["apiGroups"] == ["resource.k8s.io"]
+        assert {GROUPS[r] for r in rule["resources"]} == set(rule["apiGroups"])
         granted |= {(r, v) for r in rule["resources"] for v in rule["verbs"]}
     used = verbs_used(tmp_path)
     assert granted == used == kubeapi.USED

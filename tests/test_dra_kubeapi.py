@@ -179,3 +179,18 @@ def test_stopped_server_then_back(server, api):
         api.get_claim("default", "c1", deadline=time.monotonic() + 0.5)
     server.start()
     assert api.get_claim("default", "c1", deadline=time.monotonic() + 5)["metadata"]["name"] == "c1"
+
+
+@pytest.mark.parametrize("namespace, name", [("default", "../x"), ("a/b", "c"), ("default", ""), ("Default", "c"),
+                                             ("default", "c\n"), ("default", "x" * 254)])
+def test_names_that_would_change_the_path_are_refused(server, api, namespace, name):
+    with pytest.raises(NvcError) as err:
+        api.get_claim(namespace, name)
+    assert err.value.category == "input" and "not a valid Kubernetes name" in err.value.detail
+    assert server.requests == []
+
+
+def test_node_name_is_checked(server, api):
+    with pytest.raises(NvcError, match="node name is not a valid Kubernetes name"):
+        api.list_slices("node/../x")
+    assert server.requests == []

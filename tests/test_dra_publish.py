@@ -28,6 +28,7 @@ def inventory_of(machine):
 
 @pytest.fixture
 def server(fake_api):
+    fake_api.put_node(NODE)
     return fake_api
 
 
@@ -47,9 +48,19 @@ def test_first_publish_then_nothing_to_write(fake_machine, server, api):
     assert names_on(server) == [["gpu-0", "gpu-1"]]
     (stored,) = server.node_slices(NODE)
     assert stored["spec"]["pool"]["generation"] == 1
+    assert stored["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": f"node-uid-{NODE}", "controller": True}]
     assert stored["spec"]["devices"][0]["attributes"]["resource.kubernetes.io/pcieRoot"] == {"string": "pci0000:00"}
     writes = len(server.writes)
     assert p.sync() is False and len(server.writes) == writes
+
+
+def test_a_node_the_api_server_does_not_know_publishes_nothing(fake_machine, server, api):
+    p = publish.Publisher(api, "node-b")
+    p.inv = inventory_of(fake_machine)
+    with pytest.raises(NvcError, match="get node node-b: not found"):
+        p.sync()
+    assert server.writes == []
 
 
 def test_inventory_change_updates_and_bumps_the_generation(fake_machine, fake_machine_factory, server, api):
@@ -149,7 +160,7 @@ def test_loop_survives_a_down_server_says_so_once_and_catches_up(fake_machine, s
 
     run_loop(loop, script, 30)
     assert len(said) == 2, said
-    assert said[0].startswith("slices not published: list resourceslices of node node-a: http://127.0.0.1:")
+    assert said[0].startswith("slices not published: get node node-a: http://127.0.0.1:")
     assert said[0].endswith("(retrying, at most every 0.2 s)")
     assert said[1] == "slices published again"
 
@@ -248,6 +259,7 @@ def test_publish_to_older_api_servers(fake_machine_factory, tmp_path, versions):
     """1.33 (v1beta2) and 1.32 (v1beta1, attributes under ``basic``): written, validated by the
     server, read back equal, so a second sync writes nothing."""
     server = FakeApiServer(versions=versions)
+    server.put_node(NODE)
     try:
         api = kubeapi.KubeApi(kubeapi.load_config(server.write_kubeconfig(str(tmp_path / "k"))))
         p = publish.Publisher(api, NODE)

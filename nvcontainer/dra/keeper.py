@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 
+from .. import log
 from ..errors import NvcError
 from . import health, publish, snapshot
 
@@ -23,7 +24,7 @@ CHECK_EVERY = 10.0
 
 
 async def keep_published(config, api, node: str, inv, *, allow=None, taint: bool = False, sysfs: str = "/sys",
-                         proc: str = "/proc", say=print, check_every: float = CHECK_EVERY,
+                         proc: str = "/proc", say=log.info, check_every: float = CHECK_EVERY,
                          resync: float = publish.RESYNC, on_health=None, on_inventory=None) -> None:
     """``allow``: inventory → AllowList | None (the node's ``allowed-devices``); ``inv``: the
     inventory the command built before its threads started; ``on_health({UUID: why})`` and

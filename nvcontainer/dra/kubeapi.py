@@ -1,5 +1,5 @@
 """The API server, as the DRA driver needs it: one ResourceClaim read, this node's ResourceSlices
-written. Plain dicts in and out.
+written (owned by its Node). Plain dicts in and out.
 
 Why lightkube (a small, maintained client: httpx, its own models, no code generation at
 import): it reads a kubeconfig (``--kubeconfig``, ``$KUBECONFIG``) and the in-cluster service
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 
 from ..errors import NvcError, escape
@@ -33,11 +34,14 @@ DEFAULT_BUDGET = 30.0                           # a call, when the caller gives 
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 2.0
 RETRIED = frozenset({408, 429, 500, 502, 503, 504})
-SLICES_VERBS = {"list": "list", "create": "create", "update": "update", "delete": "delete"}
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 # What this module asks of the API server: (resource, verb). The RBAC test derives the
 # ClusterRole's rules from the calls below and checks them against this table and the manifest.
-USED = frozenset({("resourceclaims", "get"), *(("resourceslices", v) for v in SLICES_VERBS.values())})
+USED = frozenset({("resourceclaims", "get"), ("nodes", "get"), ("resourceslices", "list"),
+                  ("resourceslices", "create"), ("resourceslices", "update"), ("resourceslices", "delete")})
 
 
 def _resources(version: str):
@@ -69,14 +73,14 @@ class KubeApi:
     """``get_claim`` and the slice calls. Thread-safe (one httpx client); the served API
     version is found on first use and kept."""
 
-    def __init__(self, config, *, timeout: float = DEFAULT_TIMEOUT, user_agent: str = "nvcontainer-dra-driver"):
+    def __init__(self, config, *, timeout: float = DEFAULT_TIMEOUT, field_manager: str = "nvcontainer-dra-driver"):
         import httpx2
         from lightkube import Client
 
         self.timeout = timeout
         try:
             self._client = Client(config, timeout=httpx2.Timeout(timeout), trust_env=False,
-                                  field_manager=user_agent)
+                                  field_manager=field_manager)
         except Exception as exc:    # lightkube's configuration errors come in many types
             raise NvcError("kubernetes", f"client configuration: {_why(exc)}") from None
         self._generic = self._client._client       # lightkube's request builder (public methods)
@@ -92,6 +96,8 @@ class KubeApi:
         """The ResourceClaim as the server serves it (``apiVersion`` says which version).
         NvcError when it does not exist (``category == "kubernetes"``, detail ends "not found")."""
         what = f"get resourceclaim {escape(namespace, 80)}/{escape(name, 80)}"
+        _named(what, namespace, _DNS_LABEL, "namespace")
+        _named(what, name, _DNS_SUBDOMAIN, "name")
         deadline = _deadline(deadline)
         for version in self._versions():
             claim, _ = _resources(version)
@@ -102,11 +108,24 @@ class KubeApi:
             return self._checked(what, status, body)
         raise NvcError("kubernetes", f"{what}: {self.server} serves no {GROUP} version of {', '.join(VERSIONS)}")
 
+    # -- the node ----------------------------------------------------------------------------
+
+    def get_node(self, name: str, *, deadline: float | None = None) -> dict:
+        """The Node object (its ``metadata.uid`` owns the node's slices, so they are collected
+        when the node is deleted)."""
+        from lightkube.resources.core_v1 import Node
+
+        what = f"get node {escape(name, 80)}"
+        _named(what, name, _DNS_SUBDOMAIN, "node name")
+        status, body = self._call(what, _deadline(deadline), "get", Node, name=name)
+        return self._checked(what, status, body)
+
     # -- slices ----------------------------------------------------------------------------
 
     def list_slices(self, node: str, driver: str = DRIVER, *, deadline: float | None = None) -> list[dict]:
         """Every ResourceSlice of ``driver`` on ``node`` (field selectors, then checked again)."""
         what = f"list resourceslices of node {escape(node, 80)}"
+        _named(what, node, _DNS_SUBDOMAIN, "node name")
         deadline = _deadline(deadline)
         selector = f"spec.nodeName={node},spec.driver={driver}"
         items: list[dict] = []
@@ -133,6 +152,7 @@ class KubeApi:
 
     def delete_slice(self, name: str, *, deadline: float | None = None) -> None:
         """Delete a slice; one that is already gone is not an error."""
+        _named(f"delete resourceslice {escape(name, 80)}", name, _DNS_SUBDOMAIN, "name")
         try:
             self._slices_call(f"delete resourceslice {escape(name, 80)}", _deadline(deadline), "delete", name=name)
         except NvcError as exc:
@@ -204,6 +224,13 @@ class KubeApi:
             if sleep > 0:
                 time.sleep(sleep)
             pause = min(pause * 2, BACKOFF_MAX)
+
+
+def _named(what: str, value, pattern, field: str) -> None:
+    """A name that goes into a request's path: what the API server accepts, or a line naming it
+    (a "/" or ".." would otherwise address another resource)."""
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        raise NvcError("input", f"{what}: the {field} is not a valid Kubernetes name")
 
 
 def _deadline(deadline: float | None) -> float:

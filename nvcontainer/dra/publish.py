@@ -62,11 +62,25 @@ class Publisher:
         self.say = say
         self.inv = None
         self.bad: dict[str, str] = {}
+        self.owner: list[dict] | None = None
 
     def desired(self, generation: int) -> list[dict]:
         allow = self.allow(self.inv) if self.allow else None
-        return slices.build(self.inv, self.node, allow=allow, unhealthy=self.bad, taint=self.taint,
-                            roots=pcie_roots(self.sysfs, self.inv), generation=generation)
+        out = slices.build(self.inv, self.node, allow=allow, unhealthy=self.bad, taint=self.taint,
+                           roots=pcie_roots(self.sysfs, self.inv), generation=generation)
+        for obj in out:
+            obj["metadata"]["ownerReferences"] = self.owner
+        return out
+
+    def _owner(self, deadline: float) -> list[dict]:
+        """The node owns its slices: deleting the Node deletes them (the garbage collector)."""
+        if self.owner is None:
+            node = self.api.get_node(self.node, deadline=deadline)
+            uid = (node.get("metadata") or {}).get("uid")
+            if not isinstance(uid, str) or not uid:
+                raise NvcError("kubernetes", f"node {escape(self.node, 80)}: the API server gave no uid")
+            self.owner = [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": uid, "controller": True}]
+        return self.owner
 
     def sync(self, deadline: float | None = None) -> bool:
         """One reconciliation; True when it wrote something. NvcError (one line) on failure."""
@@ -81,6 +95,7 @@ class Publisher:
         return False
 
     def _sync(self, deadline: float) -> bool:
+        self._owner(deadline)
         have = {s["metadata"]["name"]: s for s in self.api.list_slices(self.node, DRIVER, deadline=deadline)}
         generation = max((_generation(s) for s in have.values()), default=0)
         want = self.desired(max(generation, 1))
@@ -116,7 +131,7 @@ def _generation(obj: dict) -> int:
 
 def _same(want: dict, have: dict | None) -> bool:
     """Does the server hold ``want`` (its devices, node and pool size; the generation aside)?"""
-    if have is None:
+    if have is None or want["metadata"].get("ownerReferences") != (have.get("metadata") or {}).get("ownerReferences"):
         return False
     a, b = want["spec"], have.get("spec") or {}
     return (a["devices"] == (b.get("devices") or []) and a["nodeName"] == b.get("nodeName")
