@@ -99,6 +99,7 @@ def measure(machine, base: Path, samples: int, claims: int, callers: int) -> dic
     for d in (registrar, plugins):
         d.mkdir(mode=0o700)
     server = FakeApiServer()
+    server.put_node(NODE)
     config = plugin_config(base / "config.toml", base / "cache", {})
     args = ["--node-name", NODE, "--cdi-root", str(cdi), "--kubelet-registrar-directory-path", str(registrar),
             "--kubelet-plugins-directory-path", str(plugins), "--kubeconfig",

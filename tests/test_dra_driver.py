@@ -92,6 +92,7 @@ def claim_reads(server: FakeApiServer) -> int:
 @pytest.fixture
 def server():
     s = FakeApiServer()
+    s.put_node(NODE)
     yield s
     s.stop()
 

@@ -49,6 +49,7 @@ def prepared(machine, tmp_path_factory):
     hook.chmod(0o755)
     node = Node(base, hook=str(hook))
     server = FakeApiServer()
+    server.put_node("node-a")
     try:
         one, shared = put(server, "one", ["gpu-1"]), put(server, "shared", ["gpu-0"])
         with driver(machine, node, server) as (kubelet, _):
