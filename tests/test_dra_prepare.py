@@ -200,3 +200,12 @@ def test_a_mig_claim(fake_machine_factory, dirs):
     assert devices[0]["uuid"] == mig.uuid
     nodes = [n["path"] for n in spec_of(dirs, UID1)["devices"][0]["containerEdits"]["deviceNodes"]]
     assert f"/dev/nvidia{gpu.minor}" in nodes and mig.gi_cap.path in nodes and mig.ci_cap.path in nodes
+
+
+@pytest.mark.parametrize("uid", ["../../etc/x", "a/b", "", "x" * 80, "-leading"])
+def test_a_uid_that_is_not_one_is_refused_before_it_names_a_file(inv, dirs, uid):
+    p = preparer(inv, dirs, Claims())
+    for call in (p.prepare("ns", "c", uid), p.unprepare("ns", "c", uid)):
+        with pytest.raises(NvcError, match="not a UID"):
+            asyncio.run(call)
+    assert not os.path.exists(dirs[0])
