@@ -309,3 +309,18 @@ def test_bad_input_is_one_line(args, env, line, tmp_path):
     res = subprocess.run([sys.executable, "-m", "nvcontainer", "dra-driver", *args], capture_output=True, text=True,
                          env={"PATH": os.environ["PATH"], **env}, cwd=tmp_path, timeout=60)
     assert res.returncode == 1 and res.stderr.startswith(line) and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_time_slicing_runs_the_drivers_nvidia_smi(machine, tmp_path, server):
+    node = Node(tmp_path)
+    config = {"source": "FromClass", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": API, "kind": "GpuConfig", "sharing": {"strategy": "TimeSlicing",
+                                                            "timeSlicingConfig": {"interval": "Long"}}}}}
+    claim = put(server, "sliced", ["gpu-0"], configs=[config])
+    uuid = next(g["uuid"] for g in machine.description()["gpus"] if g["index"] == 0)
+    with driver(machine, node, server) as (kubelet, _):
+        assert kubelet.prepare(claim)[claim[2]][0] == ""
+        assert kubelet.unprepare(claim) == {claim[2]: ""}
+    trace = (node.base / "debug.log").read_text()
+    assert f"time-slice of {uuid} set to Long for claim default/sliced" in trace
+    assert "not reset" not in trace

@@ -209,3 +209,42 @@ def test_a_uid_that_is_not_one_is_refused_before_it_names_a_file(inv, dirs, uid)
         with pytest.raises(NvcError, match="not a UID"):
             asyncio.run(call)
     assert not os.path.exists(dirs[0])
+
+
+def time_slicing(interval: str, requests=()) -> dict:
+    return {"source": "FromClaim", "requests": list(requests), "opaque": {"driver": "gpu.nvidia.com", "parameters": {
+        "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}}}}}
+
+
+def test_time_slices_are_set_and_reset_by_the_last_claim(inv, dirs):
+    calls = []
+    source = Claims()
+    p = Preparer(inv, table_of(inv), NODE, dirs[0], dirs[1], generate.Options(hook_path=HOOK), source.get,
+                 lambda line: None, run=calls.append)
+    smi = os.path.join(inv.root, next(b.path for b in inv.binaries if b.name == "nvidia-smi").lstrip("/"))
+    g0, g1 = inv.gpus[0].uuid, inv.gpus[1].uuid
+    a = source.put(UID1, ["gpu-0", "gpu-1"], name="a", configs=[time_slicing("Long")])
+    b = source.put(UID2, ["gpu-1"], name="b", configs=[time_slicing("Short")])
+    asyncio.run(p.prepare(*a))
+    asyncio.run(p.prepare(*b))
+    assert calls == [[smi, "compute-policy", "-i", g0, "--set-timeslice=3"],
+                     [smi, "compute-policy", "-i", g1, "--set-timeslice=3"],
+                     [smi, "compute-policy", "-i", g1, "--set-timeslice=1"]]
+    del calls[:]
+    asyncio.run(p.unprepare(*a))                     # GPU 1 is still b's
+    assert calls == [[smi, "compute-policy", "-i", g0, "--set-timeslice=0"]]
+    asyncio.run(p.unprepare(*b))
+    assert calls[1:] == [[smi, "compute-policy", "-i", g1, "--set-timeslice=0"]]
+
+
+def test_a_time_slice_that_cannot_be_set_fails_the_prepare(inv, dirs):
+    def fail(argv):
+        raise NvcError("device", f"{' '.join(argv[1:])}: exit status 2: Insufficient Permissions")
+
+    source = Claims()
+    p = Preparer(inv, table_of(inv), NODE, dirs[0], dirs[1], generate.Options(hook_path=HOOK), source.get,
+                 lambda line: None, run=fail)
+    with pytest.raises(NvcError, match=f"-i {inv.gpus[0].uuid} --set-timeslice=2: exit status 2"):
+        asyncio.run(p.prepare(*source.put(UID1, ["gpu-0"], configs=[time_slicing("Medium")])))
+    assert not os.path.exists(dirs[0]) and p.claims == {}

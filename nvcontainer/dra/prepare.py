@@ -15,8 +15,9 @@ the kubelet's (the gRPC call's own deadline when it has one): a server that is d
 gives the claim an error naming it, in time for the kubelet to retry, never a prepare that
 blocks for ever.
 
-MPS and time-slicing settings are checked (:mod:`opaque`) and recorded with the claim; applying
-them (an MPS control daemon per claim, ``nvidia-smi compute-policy``) is not done here yet.
+Sharing settings are checked (:mod:`opaque`) and recorded with the claim; a time-slice interval
+is set on the claim's GPUs before its spec is written, and reset when the last claim that set
+it is unprepared (:mod:`sharing`); MPS settings are recorded only (no MPS daemon per claim yet).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from ..cdi import generate, store
 from .. import log
 from ..errors import NvcError, escape
-from . import checkpoint, claims, claimspec
+from . import checkpoint, claims, claimspec, sharing
 
 KUBELET_TIMEOUT = 45.0      # the kubelet's default for a DRA call
 MARGIN = 2.0                # answered this long before the caller's deadline
@@ -42,7 +43,7 @@ class Preparer:
     default what :meth:`set_unhealthy` was last given)."""
 
     def __init__(self, inv, table: dict, node: str, cdi_root: str, state_dir: str, opts: generate.Options,
-                 get_claim, say, unhealthy=None):
+                 get_claim, say, unhealthy=None, run=None):
         self.inv = inv
         self.table = table
         self.node = node
@@ -53,6 +54,7 @@ class Preparer:
         self.say = say
         self.bad: dict[str, str] = {}
         self.unhealthy = unhealthy or (lambda: self.bad)
+        self.run = run or sharing.run            # one nvidia-smi call (the tests record them)
         self.locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self.saving = asyncio.Lock()
         os.makedirs(state_dir, mode=0o700, exist_ok=True)
@@ -113,15 +115,45 @@ class Preparer:
                     "shareID": u.share_id} for u in claim.units]
         entry = {"namespace": claim.namespace, "name": claim.name, "uid": claim.uid, "devices": devices,
                  "spec": claimspec.file_name(claim.uid)}
+        self._time_slices(sharing.wanted(claim.units), claim.label)
         if claim.units:
             spec = claimspec.build(self.inv, claim, self.opts)
             text = claimspec.render(spec, entry, self.inv.driver_version)
             store.write_atomic(os.path.join(self.cdi_root, entry["spec"]), text)
         for unit in claim.units:
-            if unit.sharing.strategy:
-                self.say(f"claim {escape(claim.label, 200)}: {unit.device} {unit.sharing.strategy} settings "
-                         "recorded (not applied by nvcontainer yet)")
+            if unit.sharing.strategy == "MPS":
+                self.say(f"claim {escape(claim.label, 200)}: {unit.device} MPS settings recorded (no MPS daemon is "
+                         "started by nvcontainer yet)")
         return entry
+
+    def _time_slices(self, intervals: dict[str, str], label: str) -> None:
+        """Set each GPU's time-slice (NvcError naming the GPU when nvidia-smi fails)."""
+        if not intervals:
+            return
+        smi = sharing.smi_path(self.inv)
+        if smi is None:
+            raise NvcError("device", f"claim {escape(label, 200)}: time-slicing asked, and the driver has no "
+                                     "nvidia-smi to set it")
+        for uuid, interval in intervals.items():
+            self.run(sharing.timeslice_argv(smi, uuid, interval))
+            log.info(f"time-slice of {uuid} set to {interval} for claim {label}")
+
+    def _reset_time_slices(self, entry: dict) -> None:
+        """Back to the default for the GPUs the claim set, unless another prepared claim set
+        them too; a failure is said, not raised (an unprepare that fails is retried for ever)."""
+        def mine(e):
+            return {d["uuid"] for d in e["devices"] if (d["sharing"] or {}).get("strategy") == "TimeSlicing"
+                    and (d["sharing"] or {}).get("kind") == "gpu"}
+
+        others = set().union(*(mine(e) for u, e in self.claims.items() if u != entry["uid"]))
+        smi = sharing.smi_path(self.inv)
+        for uuid in sorted(mine(entry) - others):
+            try:
+                if smi is None:
+                    raise NvcError("device", "the driver has no nvidia-smi")
+                self.run(sharing.timeslice_argv(smi, uuid, "Default"))
+            except NvcError as exc:
+                self.say(f"time-slice of {uuid} not reset: {exc.detail}")
 
     async def unprepare(self, namespace: str, name: str, uid: str) -> None:
         """Remove what :meth:`prepare` made for the claim; nothing known is not an error (a
@@ -136,6 +168,7 @@ class Preparer:
             except OSError as exc:
                 raise NvcError("cdi", f"cannot remove {escape(path)}: {exc.strerror.lower()}") from None
             if uid in self.claims:
+                await asyncio.to_thread(self._reset_time_slices, self.claims[uid])
                 async with self.saving:
                     del self.claims[uid]
                     await asyncio.to_thread(checkpoint.save, self.state_dir, dict(self.claims))
