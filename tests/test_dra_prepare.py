@@ -139,7 +139,7 @@ def test_two_prepares_of_one_claim_at_once_ask_once(inv, dirs):
     assert one == two and source.calls == 1 and p.locks == {}
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "huge", "symlink", "shape"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "huge", "symlink", "shape", "sharing"])
 def test_a_damaged_checkpoint_is_rebuilt_from_the_specs(inv, dirs, damage, tmp_path):
     source = Claims()
     claim = source.put(UID1, ["gpu-1"])
@@ -159,7 +159,10 @@ def test_a_damaged_checkpoint_is_rebuilt_from_the_specs(inv, dirs, damage, tmp_p
         os.symlink(tmp_path / "elsewhere", path)
     else:
         doc = json.loads(text)
-        doc["claims"][UID1]["devices"][0]["cdi"] = "k8s.gpu.nvidia.com/claim=x"
+        if damage == "shape":
+            doc["claims"][UID1]["devices"][0]["cdi"] = "k8s.gpu.nvidia.com/claim=x"
+        else:
+            doc["claims"][UID1]["devices"][0]["sharing"] = "TimeSlicing"
         open(path, "w").write(json.dumps(doc))
     lines = []
     p = preparer(inv, dirs, source, lines)

@@ -111,6 +111,9 @@ def check_entry(uid, entry) -> str | None:
             return "a device's CDI names are not text"
         if not all(isinstance(device[k], str) for k in ("request", "pool", "device", "uuid", "shareID")):
             return "a device's names are not text"
+        if not isinstance(device["sharing"], dict) or not all(isinstance(device["sharing"].get(k, ""), str)
+                                                             for k in ("kind", "strategy", "interval")):
+            return "a device's sharing settings are of another shape"
     return None
 
 
