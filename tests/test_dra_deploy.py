@@ -104,6 +104,7 @@ def test_daemonset():
     (ctr,) = pod["containers"]
     assert ctr["image"] == "nvcontainer:0.1.0"
     assert ctr["command"][0] == "nvcontainer" and "dra-driver" in ctr["command"]
+    assert ctr["command"][ctr["command"].index("--hook-path") + 1] == "/usr/bin/nvcontainer-hook"   # the host's
     assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in ctr["env"]
     mounts = {m["mountPath"] for m in ctr["volumeMounts"]}
     assert {"/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/var/run/cdi", "/host"} <= mounts

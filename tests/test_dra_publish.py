@@ -6,6 +6,7 @@ that is down or slow (bounded, retried, said once), and removal on uninstall."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -175,9 +176,15 @@ def test_slow_server_sync_is_bounded(fake_machine, server, api):
     assert time.monotonic() - start < 2.5
 
 
-def test_snapshot_child_gives_the_inventory(fake_machine, tmp_path):
+def test_snapshot_child_gives_the_inventory_this_process_has(fake_machine, tmp_path):
+    from nvcontainer.inventory.cache import cached_inventory
+
     config = Config(root=str(fake_machine.root), cache_dir=str(tmp_path / "cache"))
+    here = cached_inventory(config, proc=str(fake_machine.proc))
+    entries = sorted(os.listdir(tmp_path / "cache"))
     got = snapshot.current(config, proc=str(fake_machine.proc))
+    assert got == here                  # no spurious change at start
+    assert sorted(os.listdir(tmp_path / "cache")) == entries     # it read this process's entry
     assert [g.uuid for g in got.gpus] == [gpu_uuid(0), gpu_uuid(1)]
     assert got.gpus[0].memory == 80 << 30
 

@@ -15,6 +15,7 @@ a deadline, and the driver compares what it gets with what it published from.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -50,9 +51,12 @@ def current(config, *, proc: str = "/proc", timeout: float = 60.0, argv=None) ->
     """The inventory now (from the cache when it still holds; rebuilt when not)."""
     argv = argv or [sys.executable, "-I", "-m", "nvcontainer.dra.snapshot"]
     request = {"config": config_to_json(config), "proc": proc}
+    # the cache keys an entry by the PATH and MPS directory the files were searched in: the
+    # child searches where this process did, so it reads (and checks) this process's entry
+    env = dict(ENV, **{k: os.environ[k] for k in ("PATH", "CUDA_MPS_PIPE_DIRECTORY") if k in os.environ})
     try:
         done = subprocess.run(argv, input=json.dumps(request).encode(), capture_output=True,
-                              env=ENV, timeout=timeout, close_fds=True)
+                              env=env, timeout=timeout, close_fds=True)
     except subprocess.TimeoutExpired:
         raise NvcError("initialization", f"inventory: no answer in {timeout:g} s") from None
     except OSError as exc:
