@@ -112,6 +112,34 @@ def measure(machine, base: Path, calls: int = 1000, clients: int = 8) -> dict:
             "wall_s": wall, "calls_per_s": len(latencies) / wall, "latency_ms": summary(latencies)}
 
 
+def on_fake_machine(name: str, measure_on, gpus: int = 8):
+    """``measure_on(machine, base)`` on a fresh ``gpus``-GPU fake machine, its result recorded
+    with the machine's facts in ``benchmarks/results/<name>-<time>.json``: (result, that path),
+    or (None, None) when not root."""
+    if os.geteuid() != 0:
+        print(f"benchmarks.{name}: run as root (the fake GPU machine needs mknod and mount namespaces)",
+              file=sys.stderr)
+        return None, None
+    from tests.fixtures.fakegpu import FakeSpec, build
+
+    from .run import machine_facts
+
+    base = Path(tempfile.mkdtemp(prefix=f"nvc-{name}-bench-"))
+    base.chmod(0o755)
+    try:
+        machine = build(base / "machine", FakeSpec(gpus=gpus))
+        facts = machine_facts()
+        result = measure_on(machine, base)
+        facts["loadavg_end"] = os.getloadavg()[0]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    record = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": facts, **result}
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"{name}-{time.strftime('%Y-%m-%dT%H%M%SZ', time.gmtime())}.json"
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return result, out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.deviceplugin")
     parser.add_argument("--calls", type=int, default=1000)
@@ -122,27 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         socket_path, calls, ids, seed = opts.client
         client(socket_path, int(calls), ids.split(","), int(seed))
         return 0
-    if os.geteuid() != 0:
-        print("benchmarks.deviceplugin: run as root (the fake GPU machine needs mknod and mount namespaces)",
-              file=sys.stderr)
+    result, out = on_fake_machine("deviceplugin", lambda machine, base: measure(machine, base, opts.calls,
+                                                                                  opts.clients))
+    if result is None:
         return 2
-    from tests.fixtures.fakegpu import FakeSpec, build
-
-    from .run import machine_facts
-
-    base = Path(tempfile.mkdtemp(prefix="nvc-dp-bench-"))
-    base.chmod(0o755)
-    try:
-        machine = build(base / "machine", FakeSpec(gpus=8))
-        facts = machine_facts()
-        result = measure(machine, base, opts.calls, opts.clients)
-        facts["loadavg_end"] = os.getloadavg()[0]
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    record = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": facts, **result}
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"deviceplugin-{time.strftime('%Y-%m-%dT%H%M%SZ', time.gmtime())}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
     lat = result["latency_ms"]
     print(f"{result['calls']} Allocate calls from {result['clients']} clients: {result['errors']} errors, "
           f"{result['calls_per_s']:.0f} calls/s")

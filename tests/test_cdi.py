@@ -440,6 +440,21 @@ def test_check_without_a_driver():
     assert verdict.problems == ("no NVIDIA driver is loaded",)
 
 
+def test_a_gpu_missing_from_a_per_claim_spec_is_no_sign_of_age():
+    """A node spec without a GPU the node has is stale (made before the GPU came); the DRA
+    driver's spec of one claim holds only the claim's GPUs by design."""
+    node = {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1}
+    now = check.Running("550.54.14", gpus=((0, "0000:07:00.0"), (1, "0000:08:00.0")))
+
+    def verdict(kind):
+        spec = {"cdiVersion": "0.5.0", "kind": kind, "devices": [{"name": "u-gpu-1", "containerEdits": {
+            "deviceNodes": [node]}}]}
+        return check.evaluate(store.SpecFile("/x.yaml", 0, spec, ""), now, lambda path: ("c", 195, 1))
+
+    assert verdict("nvidia.com/gpu").problems == ("GPU 0000:07:00.0 (/dev/nvidia0) is not in the spec",)
+    assert verdict("k8s.gpu.nvidia.com/claim").problems == ()
+
+
 # --- the CDI hooks -----------------------------------------------------------------------------
 
 

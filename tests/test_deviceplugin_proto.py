@@ -20,15 +20,21 @@ GENERATED = ("api_pb2.py", "api_pb2_grpc.py")
 
 
 def test_generated_modules_match_the_proto(tmp_path):
+    check_generated(tmp_path, PROTO, "README, 'Device plugin'")
+
+
+def check_generated(tmp_path, proto: Path, how: str) -> None:
+    """grpcio-tools run on ``proto`` (a path from the repository's root) makes exactly the
+    modules kept beside it."""
     pytest.importorskip("grpc_tools")
-    (tmp_path / PROTO.parent).mkdir(parents=True)
-    shutil.copy(ROOT / PROTO, tmp_path / PROTO)
+    (tmp_path / proto.parent).mkdir(parents=True)
+    shutil.copy(ROOT / proto, tmp_path / proto)
     res = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.",
-                          str(PROTO)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          str(proto)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     for name in GENERATED:
-        assert (tmp_path / PROTO.parent / name).read_bytes() == (ROOT / PROTO.parent / name).read_bytes(), \
-            f"{name} is stale: regenerate it (README, 'Device plugin')"
+        assert (tmp_path / proto.parent / name).read_bytes() == (ROOT / proto.parent / name).read_bytes(), \
+            f"{name} is stale: regenerate it ({how})"
 
 
 # Transcribed from the published definition, independently of api.proto: message -> field -> number.

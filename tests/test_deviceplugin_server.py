@@ -408,7 +408,7 @@ def test_help_and_the_allow_list(fake_machine_factory, tmp_path):
 
 
 def test_only_the_socket_it_bound_is_removed(tmp_path):
-    from nvcontainer.deviceplugin import sockets
+    from nvcontainer.kubelet import sockets
 
     directory = tmp_path / "d"
     dirfd = sockets.open_dir(str(directory))

@@ -24,6 +24,9 @@ MAX_SHOWN = 12
 _COMMENT = re.compile(rf"^#\s*{re.escape(DRIVER_COMMENT)}\s*(\S+)\s*$", re.M)
 _LIBRARY_VERSION = re.compile(r"/lib(?:cuda|nvidia-ml)\.so\.(\d+\.\d+(?:\.\d+)?)$")
 _GPU_NODE = re.compile(r"/dev/nvidia(\d+)")
+# Specs that hold some of the node's GPUs by design, so a GPU missing from them is no sign of
+# age: the DRA driver's one spec per prepared claim (its vendor and class are NVIDIA's).
+PARTIAL_KINDS = ("k8s.gpu.nvidia.com/claim",)
 
 # What a path is, as far as staleness goes: ("c", major, minor) for a character device, ("b", ...)
 # for a block device, or a type letter with zeros ("d", "f", "s", "p"); None when missing.
@@ -106,7 +109,7 @@ def evaluate(spec_file: SpecFile, now: Running, probe: Probe) -> Verdict:
     problems += [f"missing {escape(path)}" for path in mounts if probe(path) is None]
     problems += [f"missing hook program {escape(path)}" for path in hooks if probe(path) is None]
     listed = {int(m.group(1)) for n in nodes.values() if (m := _GPU_NODE.fullmatch(str(n.get("path"))))}
-    if listed:
+    if listed and spec.get("kind") not in PARTIAL_KINDS:
         problems += [f"GPU {escape(bus)} (/dev/nvidia{minor}) is not in the spec"
                      for minor, bus in now.gpus if minor not in listed]
     return Verdict(spec_file.path, version, len(spec["devices"]), tuple(problems))

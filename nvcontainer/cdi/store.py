@@ -52,7 +52,9 @@ def format_for(path: str | None, fmt: str | None) -> str:
     return "yaml"
 
 
-def write_atomic(path: str, text: str, mode: int = 0o644) -> None:
+def write_atomic(path: str, text: str, mode: int = 0o644, sync: bool = True) -> None:
+    """``text`` at ``path``, whole or not at all; ``sync``: on disk before the rename (and the
+    directory after), for files nothing else can stand in for after a crash."""
     path = os.path.abspath(path)
     directory, name = os.path.split(path)
     try:
@@ -70,7 +72,8 @@ def write_atomic(path: str, text: str, mode: int = 0o644) -> None:
             while view:
                 view = view[os.write(fd, view):]
             os.fchmod(fd, mode)   # the umask narrowed it; engines run as other users (rootless)
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.rename(tmp, path)
@@ -80,7 +83,8 @@ def write_atomic(path: str, text: str, mode: int = 0o644) -> None:
         except OSError:
             pass
         raise NvcError("cdi", f"cannot write {escape(path)}: {exc.strerror.lower()}") from None
-    _sync_dir(directory)
+    if sync:
+        _sync_dir(directory)
 
 
 def _sync_dir(directory: str) -> None:

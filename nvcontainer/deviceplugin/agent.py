@@ -24,8 +24,9 @@ import signal
 import grpc
 
 from .. import log
-from ..errors import NvcError, escape
-from . import sockets
+from ..errors import escape
+from ..kubelet import sockets
+from ..kubelet.endpoint import Endpoint as Served
 from .service import DevicePluginService
 from .state import PluginState
 from .v1beta1 import api_pb2 as pb
@@ -37,55 +38,19 @@ POLL = 1.0
 BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 30.0
 REGISTER_TIMEOUT = 5.0
-STOP_GRACE = 1.0
-MAX_MESSAGE = 1 << 20
-SERVER_OPTIONS = (("grpc.max_receive_message_length", MAX_MESSAGE),)
 
 
-class Endpoint:
+class Endpoint(Served):
     """One resource's gRPC server on its socket."""
 
     def __init__(self, state: PluginState, resource, dirfd: int, reporter):
-        self.state = state
+        super().__init__(dirfd, resource.socket, lambda: (DevicePluginService(state, resource, reporter.say).handler(),),
+                         reporter.say)
         self.resource = resource
-        self.dirfd = dirfd
-        self.reporter = reporter
-        self.server = None
-        self.ours = None
-
-    @property
-    def name(self) -> str:
-        return self.resource.socket
 
     async def start(self) -> None:
-        sockets.clear(self.dirfd, self.name, self.reporter.say)
-        sockets.clear_staged(self.dirfd, self.name)
-        staged = sockets.staging_name(self.name)
-        server = grpc.aio.server(options=SERVER_OPTIONS)
-        server.add_generic_rpc_handlers((DevicePluginService(self.state, self.resource, self.reporter.say).handler(),))
-        try:
-            server.add_insecure_port(sockets.address(self.dirfd, staged))
-        except RuntimeError as exc:
-            raise NvcError("input", f"cannot listen on {escape(self.name)}: {escape(exc)}") from None
-        await server.start()
-        try:
-            sockets.publish(self.dirfd, staged, self.name)
-        except NvcError:
-            await server.stop(0)
-            raise
-        self.server = server
-        self.ours = sockets.identity(self.dirfd, self.name)
+        await super().start()
         log.info(f"serving {self.resource.name} on {self.name} ({len(self.resource.devices)} devices)")
-
-    def intact(self) -> bool:
-        return self.ours is not None and sockets.identity(self.dirfd, self.name) == self.ours
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop(STOP_GRACE)
-            self.server = None
-        sockets.remove_if_ours(self.dirfd, self.name, self.ours)
-        self.ours = None
 
 
 class RegistrationFailed(Exception):
@@ -138,8 +103,7 @@ async def _keep_registered(dirfd: int, endpoints: list[Endpoint], reporter, stop
         for endpoint in endpoints:
             if not endpoint.intact():
                 reporter.say(f"socket {escape(endpoint.name)} was removed (kubelet restart?): serving it again")
-                await endpoint.stop()
-                await endpoint.start()
+                await endpoint.restart()
                 registered = None
         kubelet = sockets.identity(dirfd, KUBELET_SOCKET)
         if kubelet is None:

@@ -15,8 +15,8 @@ import os
 from .. import log
 from ..errors import escape
 from ..inventory import topology
+from ..kubelet.report import Reporter
 from . import devices, mps, settings as settings_module
-from .report import Reporter
 
 NVML_PREFIX = "libnvidia-ml.so"
 

@@ -29,11 +29,10 @@ import time
 from .. import log
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
+from ..kubelet.report import Reporter
 from . import devices, mps, settings as settings_module
 from .mpshealth import is_pipe
-from .report import Reporter
 
-PREFIX = "nvcontainer mps-daemon: "
 DEFAULT_INTERVAL = 5.0
 OUTPUT_LIMIT = 4096
 SHM_FALLBACK_KIB = 65536
@@ -271,7 +270,7 @@ class Supervisor:
 def run(config, interval: float | None = None, shm: bool = False) -> None:
     """Run the daemons until SIGTERM or SIGINT."""
     settings = settings_module.parse(config.device_plugin)
-    reporter = Reporter(prefix=PREFIX)
+    reporter = Reporter("mps-daemon")
     if shm:
         mounted = mount_shm(settings.mps_root)
         reporter.say(f"{escape(settings.mps_root)}/{mps.SHM}: " + ("tmpfs mounted" if mounted else "already a mount"))

@@ -1,10 +1,8 @@
 """The DevicePlugin gRPC service for one resource: protobuf in, the pure decisions, protobuf out.
 
-Why handlers are built here rather than by subclassing the generated servicer: the generated
-code deserializes requests itself, and a request that is not valid protobuf then ends in grpcio's
-own logging with a traceback. Our deserializers turn it into a value the handler refuses with
-one line and ``INVALID_ARGUMENT``; every refusal is logged once, escaped, and the server keeps
-serving. The method names and message types are still the generated module's, so the wire
+Handlers are built with :func:`kubelet.endpoint.unary`, whose deserializer turns a request that
+is not valid protobuf into a value the handler refuses with one line and ``INVALID_ARGUMENT``;
+every refusal is logged once, escaped, and the server keeps serving. The method names and message types are still the generated module's, so the wire
 contract stays the one in ``v1beta1/api.proto``.
 """
 
@@ -13,10 +11,10 @@ from __future__ import annotations
 import uuid
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from .. import log
 from ..errors import escape
+from ..kubelet.endpoint import Malformed, parser, unary
 from .allocate import Refused, allocate
 from .devices import Resource
 from .preferred import preferred
@@ -26,20 +24,6 @@ from .v1beta1 import api_pb2 as pb
 SERVICE = "v1beta1.DevicePlugin"
 MAX_STREAMS = 4           # ListAndWatch streams at once per resource (the kubelet keeps one)
 _CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "unhealthy": grpc.StatusCode.FAILED_PRECONDITION}
-
-
-class _Malformed:
-    def __init__(self, why: str):
-        self.why = why
-
-
-def _parser(message_type):
-    def parse(data: bytes):
-        try:
-            return message_type.FromString(data)
-        except (DecodeError, RuntimeError, ValueError) as exc:
-            return _Malformed(str(exc) or "not a valid message")
-    return parse
 
 
 def devices_message(state: PluginState, resource: Resource) -> pb.ListAndWatchResponse:
@@ -60,14 +44,10 @@ class DevicePluginService:
         self.streams = 0
 
     def handler(self) -> grpc.GenericRpcHandler:
-        def unary(fn, request, response):
-            return grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=_parser(request), response_serializer=response.SerializeToString)
-
         return grpc.method_handlers_generic_handler(SERVICE, {
             "GetDevicePluginOptions": unary(self.options, pb.Empty, pb.DevicePluginOptions),
             "ListAndWatch": grpc.unary_stream_rpc_method_handler(
-                self.list_and_watch, request_deserializer=_parser(pb.Empty),
+                self.list_and_watch, request_deserializer=parser(pb.Empty),
                 response_serializer=pb.ListAndWatchResponse.SerializeToString),
             "GetPreferredAllocation": unary(self.preferred, pb.PreferredAllocationRequest,
                                             pb.PreferredAllocationResponse),
@@ -80,7 +60,7 @@ class DevicePluginService:
         await context.abort(_CODES.get(code, grpc.StatusCode.INVALID_ARGUMENT), message)
 
     async def _check(self, request, context, method: str):
-        if isinstance(request, _Malformed):
+        if isinstance(request, Malformed):
             await self._refuse(context, method, "invalid", f"malformed request: {escape(request.why, 120)}")
 
     async def options(self, request, context):

@@ -1,4 +1,4 @@
-"""What the plugin tells its operator: one line on stderr per change of state.
+"""What a kubelet plugin (device plugin, DRA driver) tells its operator: one line on stderr per change of state.
 
 Why stderr and so little: the plugin runs as a DaemonSet, whose log is its standard error, for
 months. A line per retry or per request would bury the one that matters, so states (waiting for
@@ -18,13 +18,11 @@ import sys
 from .. import log
 from ..errors import escape
 
-PREFIX = "nvcontainer device-plugin: "
-
 
 class Reporter:
-    def __init__(self, stream=None, prefix: str = PREFIX):
+    def __init__(self, command: str = "device-plugin", stream=None):
+        self.prefix = f"nvcontainer {command}: "
         self.stream = stream or sys.stderr
-        self.prefix = prefix
         self._last: dict[str, str] = {}
 
     def say(self, line: str) -> None:

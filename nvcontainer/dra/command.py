@@ -1,0 +1,111 @@
+"""``nvcontainer dra-driver``: from the flags to a running kubelet plugin.
+
+Why the order below matters (as for the device plugin): the inventory is built, or read from its
+cache, while this process is still single-threaded, because building it may fork the NVML
+helper, and a fork is only safe before gRPC and the API client start their threads. gRPC is
+imported after that. The devices a claim may name are this inventory's, through the same names
+the ResourceSlices publish (:mod:`names`), less what the node's ``allowed-devices`` holds back:
+a claim can only be prepared for a device this node publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from .. import log
+from ..errors import NvcError, escape
+
+
+def device_table(inv, allow) -> dict:
+    """DRA device name → (gpu, mig) for the devices this node offers."""
+    from . import names
+
+    table = {}
+    for named in names.devices(inv):
+        if allow is None or allow.permits(named.gpu, named.mig):
+            table[named.name] = (named.gpu, named.mig)
+    return table
+
+
+def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_dir: str, kubeconfig: str | None,
+        hook_path: str | None = None, taint: bool = False, sysfs: str = "/sys") -> None:
+    """Serve until SIGTERM/SIGINT: the kubelet side (:mod:`agent`) and the slice side
+    (:mod:`keeper`) in one event loop, the slice side's health verdicts and new inventories
+    handed to the preparer."""
+    from ..cdi import commands, generate
+    from ..inventory.cache import cached_inventory
+    from ..kubelet.report import Reporter
+    from ..request.selection import allow_list
+    from . import names
+
+    _check(node_name, cdi_root, registrar_dir, plugins_dir)
+    os.umask(0o077)
+    reporter = Reporter("dra-driver")
+    reporter.take_over_logging()
+    inv = cached_inventory(config)
+
+    def allow(inventory):
+        return allow_list(inventory, config.allowed_devices)
+
+    table = device_table(inv, allow(inv))
+    log.info(f"devices offered: {', '.join(table) or 'none'}")
+    opts = generate.Options(hook_path=hook_path or commands.default_hook_path(), ldconfig=config.ldconfig_program(),
+                            deadline=config.deadline)
+    api = _api(kubeconfig)
+
+    def get_claim(namespace: str, name: str, deadline: float) -> dict:
+        return api.get_claim(namespace, name, deadline=deadline)
+
+    from .agent import serve
+    from .keeper import keep_published
+    from .prepare import Preparer
+
+    async def main() -> None:
+        preparer = Preparer(inv, table, node_name, cdi_root, os.path.join(plugins_dir, names.DRIVER), opts,
+                            get_claim, reporter.say)
+
+        def new_inventory(now) -> None:
+            preparer.inv, preparer.table = now, device_table(now, allow(now))
+
+        slices = asyncio.create_task(keep_published(
+            config, api, node_name, inv, allow=allow, taint=taint, sysfs=sysfs, say=reporter.say,
+            on_health=preparer.set_unhealthy, on_inventory=new_inventory))
+        try:
+            await serve(preparer, names.DRIVER, registrar_dir, plugins_dir, reporter)
+        finally:
+            slices.cancel()
+            await asyncio.gather(slices, return_exceptions=True)
+
+    try:
+        asyncio.run(main())
+    finally:
+        api.close()
+
+
+def remove_slices(kubeconfig: str | None, node_name: str) -> str:
+    """``--remove-slices``: this node's slices deleted; the line to print."""
+    from .publish import remove_slices as remove
+
+    if not node_name:
+        raise NvcError("input", "--node-name (or NODE_NAME) is required: the node whose slices are removed")
+    api = _api(kubeconfig)
+    try:
+        return remove(api, node_name)
+    finally:
+        api.close()
+
+
+def _api(kubeconfig: str | None):
+    from .kubeapi import KubeApi, load_config
+
+    return KubeApi(load_config(kubeconfig))
+
+
+def _check(node_name: str, *paths) -> None:
+    if not node_name:
+        raise NvcError("input", "--node-name (or NODE_NAME) is required: the pool this node's devices are in")
+    flags = ("--cdi-root", "--kubelet-registrar-directory-path", "--kubelet-plugins-directory-path")
+    for flag, path in zip(flags, paths):
+        if not os.path.isabs(path):
+            raise NvcError("input", f"{flag} {escape(path)}: must be an absolute path")

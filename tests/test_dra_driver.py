@@ -1,0 +1,326 @@
+"""``nvcontainer dra-driver`` as the kubelet sees it: a real plugin process on the fake GPU
+machines, the fake API server (tests/fixtures/kubeapi.py) serving the claims, and a fake
+kubelet (tests/fixtures/dra_kubelet.py: the plugin watcher's registration client and the DRA
+clients generated from the published protos).
+
+The devices a claim gets are checked against the fake machine's own description (machine.json),
+not against the plugin's code."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from nvcontainer.cdi import store
+from nvcontainer.dra import checkpoint, claimspec
+from tests.fixtures.dra_kubelet import FakeDraKubelet
+from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
+from tests.fixtures.kubeapi import FakeApiServer
+from tests.fixtures.kubelet import Plugin, inject_event, plugin_config
+
+NODE = "node-a"
+DRIVER = "gpu.nvidia.com"
+API = "resource.nvidia.com/v1beta1"
+MIG = FakeSpec(gpus=2, mig=True, mig_gpus=1, mig_devices=2, mig_profiles=("1g.10gb", "2g.20gb"))
+
+
+@pytest.fixture(scope="module")
+def machine(fake_machine_factory):
+    return fake_machine_factory(FakeSpec(gpus=2))
+
+
+class Node:
+    """The directories of one node: kubelet's, CDI's, and the plugin's state."""
+
+    def __init__(self, base, hook: str = "/usr/local/bin/nvcontainer-hook"):
+        self.base = base
+        self.hook = hook
+        self.registrar = base / "plugins_registry"
+        self.plugins = base / "plugins"
+        self.cdi = base / "cdi"
+        for d in (self.registrar, self.plugins):
+            d.mkdir(mode=0o700, exist_ok=True)
+        self.config = plugin_config(base / "config.toml", base / "cache", {})
+
+    def args(self, kubeconfig: str) -> list[str]:
+        return ["--node-name", NODE, "--cdi-root", str(self.cdi), "--kubelet-registrar-directory-path",
+                str(self.registrar), "--kubelet-plugins-directory-path", str(self.plugins), "--kubeconfig", kubeconfig,
+                "--hook-path", self.hook]
+
+    def specs(self) -> list[str]:
+        return sorted(os.listdir(self.cdi)) if self.cdi.exists() else []
+
+
+@contextlib.contextmanager
+def driver(machine, node: Node, server: FakeApiServer, *, env=None):
+    args = [*node.args(server.write_kubeconfig(str(node.base / "kubeconfig"))), "--sysfs", str(machine.sysfs)]
+    plugin = Plugin(machine, node.config, node.base / "debug.log", args, command="dra-driver", env=env)
+    kubelet = FakeDraKubelet(node.registrar, node.plugins, timeout=20)
+    try:
+        plugin.wait_for("serving gpu.nvidia.com")
+        kubelet.wait_registered()
+        plugin.wait_for("registered with the kubelet")
+        yield kubelet, plugin
+    finally:
+        kubelet.close()
+        code = plugin.terminate()
+        err = plugin.stderr()
+        assert "Traceback" not in err, err
+        assert code == 0, err
+
+
+def put(server: FakeApiServer, name: str, devices, *, configs=(), request="gpu", pool=NODE) -> tuple[str, str, str]:
+    claim = server.put_claim({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"namespace": "default", "name": name, "uid": f"0000-{name}"},
+        "status": {"allocation": {"devices": {
+            "results": [{"request": request, "driver": DRIVER, "pool": pool, "device": d} for d in devices],
+            "config": list(configs)}}}})
+    return "default", name, claim["metadata"]["uid"]
+
+
+def claim_reads(server: FakeApiServer) -> int:
+    return len([r for r in server.requests if "/resourceclaims/" in r[1]])
+
+
+@pytest.fixture
+def server():
+    s = FakeApiServer()
+    s.put_node(NODE)
+    yield s
+    s.stop()
+
+
+def test_registration_as_the_plugin_watcher_sees_it(machine, tmp_path, server):
+    node = Node(tmp_path)
+    with driver(machine, node, server) as (kubelet, _):
+        info = kubelet.info
+        assert (info.type, info.name) == ("DRAPlugin", DRIVER)
+        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        assert info.endpoint == str(node.plugins / DRIVER / "dra.sock")
+        assert sorted(os.listdir(node.registrar)) == [f"{DRIVER}-reg.sock"]
+    assert os.listdir(node.registrar) == [] and not (node.plugins / DRIVER / "dra.sock").exists()
+
+
+@pytest.mark.parametrize("version", ["v1.DRAPlugin", "v1beta1.DRAPlugin"])
+def test_prepare_and_unprepare_in_each_version(machine, tmp_path, server, version):
+    node = Node(tmp_path)
+    truth = machine.description()["gpus"]
+    one = put(server, "one", ["gpu-1"])
+    both = put(server, "both", ["gpu-0", "gpu-1"])
+    with driver(machine, node, server) as (kubelet, _):
+        got = kubelet.prepare(one, both, version=version)
+        assert got[one[2]] == ("", [("gpu-1", [f"k8s.gpu.nvidia.com/claim={one[2]}-gpu-1"])])
+        assert [d for d, _ in got[both[2]][1]] == ["gpu-0", "gpu-1"]
+        assert node.specs() == sorted(claimspec.file_name(c[2]) for c in (one, both))
+        spec = store.read_spec(str(node.cdi / claimspec.file_name(one[2]))).spec
+        nodes = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
+        minor = next(g["minor"] for g in truth if g["index"] == 1)
+        assert f"/dev/nvidia{minor}" in nodes and len([n for n in nodes if n.startswith("/dev/nvidia")]) == 1
+        assert kubelet.unprepare(one, both, version=version) == {one[2]: "", both[2]: ""}
+        assert node.specs() == []
+
+
+def test_restart_keeps_prepared_claims_and_kubelet_wipes_are_repaired(machine, tmp_path, server):
+    node = Node(tmp_path)
+    claim = put(server, "keep", ["gpu-0"])
+    with driver(machine, node, server) as (kubelet, plugin):
+        first = kubelet.prepare(claim)
+        kubelet.wipe()                                   # the kubelet restarts and cleans up
+        plugin.wait_for("serving and registering again")
+        kubelet.wait_registered(new=True)
+        assert kubelet.prepare(claim) == first
+    server.delete_claim("default", "keep")               # gone from the API server meanwhile
+    reads = claim_reads(server)
+    with driver(machine, node, server) as (kubelet, _):
+        assert kubelet.prepare(claim) == first            # from the checkpoint
+        assert claim_reads(server) == reads
+        assert kubelet.unprepare(claim) == {claim[2]: ""}
+    assert node.specs() == []
+
+
+def test_faults_are_errors_naming_the_claim_and_the_plugin_keeps_serving(machine, tmp_path, server):
+    node = Node(tmp_path)
+    absent = put(server, "absent", ["gpu-7"])
+    other_pool = put(server, "elsewhere", ["gpu-0"], pool="node-b")
+    mps = {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 200}}
+    bad = put(server, "bad", ["gpu-0"], configs=[{"source": "FromClaim", "requests": [], "opaque": {
+        "driver": DRIVER, "parameters": {"apiVersion": API, "kind": "GpuConfig", "sharing": mps}}}])
+    with driver(machine, node, server) as (kubelet, plugin):
+        got = kubelet.prepare(absent, other_pool, bad, ("default", "deleted", "0000-deleted"))
+        assert "device gpu-7 is not on node node-a" in got[absent[2]][0]
+        assert got[other_pool[2]] == ("", [])            # nothing of this node in it
+        assert "defaultActiveThreadPercentage: 200" in got[bad[2]][0]
+        assert "claim default/deleted: deleted" in got["0000-deleted"][0]
+        assert node.specs() == []
+        # malformed request: refused, and the plugin keeps serving
+        pb, stub, channel = kubelet.service()
+        method = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources"
+        with channel, pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary(method)(b"\xff\xff", timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # the API server down: an error in time, not a hang
+        server.down = True
+        start = time.monotonic()
+        down = put(server, "down", ["gpu-0"])
+        got = kubelet.prepare(down, timeout=6)
+        assert got[down[2]][0] and time.monotonic() - start < 6
+        server.down = False
+        assert kubelet.prepare(down)[down[2]][0] == ""
+        assert "Traceback" not in plugin.stderr()
+
+
+def test_a_hostile_checkpoint_is_rebuilt_with_one_line(machine, tmp_path, server):
+    node = Node(tmp_path)
+    claim = put(server, "c", ["gpu-1"])
+    with driver(machine, node, server) as (kubelet, _):
+        first = kubelet.prepare(claim)
+    (node.plugins / DRIVER / checkpoint.NAME).write_bytes(b'{"version":1,"claims":{"x":' + b"[" * 100000)
+    with driver(machine, node, server) as (kubelet, plugin):
+        lines = [line for line in plugin.stderr().splitlines() if line.startswith("nvcontainer dra-driver: checkpoint")]
+        assert len(lines) == 1 and "rebuilt from 1 claim specs" in lines[0], plugin.stderr()
+        assert kubelet.prepare(claim) == first
+
+
+def test_a_shared_claim_prepared_for_two_pods_at_once_is_read_once(machine, tmp_path, server):
+    """Two pods of one claim: the kubelet prepares it for each, maybe at once; one API read, one
+    spec, the same answer."""
+    node = Node(tmp_path)
+    shared = put(server, "shared", ["gpu-0"])
+    with driver(machine, node, server) as (kubelet, _):
+        before = claim_reads(server)
+        server.slow = 0.5
+        with ThreadPoolExecutor(2) as pool:
+            one, two = pool.map(lambda _: kubelet.prepare(shared), range(2))
+        server.slow = 0.0
+        assert one == two and one[shared[2]][0] == ""
+        assert claim_reads(server) - before == 1
+        assert node.specs() == [claimspec.file_name(shared[2])]
+
+
+def test_a_mig_claim(fake_machine_factory, tmp_path, server):
+    machine = fake_machine_factory(MIG)
+    truth = machine.description()["gpus"]
+    node = Node(tmp_path)
+    with driver(machine, node, server) as (kubelet, _):
+        from nvcontainer.dra import names
+        from nvcontainer.inventory.build import build
+
+        inv = build(str(machine.root), proc=str(machine.proc))
+        migs = [n for n in names.devices(inv) if n.mig is not None]
+        whole = [n for n in names.devices(inv) if n.mig is None]
+        claim = put(server, "mig", [migs[0].name, whole[0].name])
+        error, devices = kubelet.prepare(claim)[claim[2]]
+        assert error == "" and [d for d, _ in devices] == [migs[0].name, whole[0].name]
+        spec = store.read_spec(str(node.cdi / claimspec.file_name(claim[2]))).spec
+        by_name = {d["name"]: [n["path"] for n in d["containerEdits"]["deviceNodes"]] for d in spec["devices"]}
+        mig_truth = next(m for g in truth for m in g["migs"] if m["uuid"] == migs[0].mig.uuid)
+        parent = next(g for g in truth if any(m["uuid"] == mig_truth["uuid"] for m in g["migs"]))
+        nodes = by_name[f"{claim[2]}-{migs[0].name}"]
+        assert f"/dev/nvidia{parent['minor']}" in nodes
+        assert len([n for n in nodes if n.startswith("/dev/nvidia-caps/")]) == 2
+        assert kubelet.unprepare(claim) == {claim[2]: ""} and node.specs() == []
+
+
+def test_slices_published_health_refuses_prepare_and_remove_slices(private_machine, tmp_path, server):
+    """The slice side runs in the same process: this node's slices appear, a GPU the health
+    watcher finds unhealthy (XID 79) is refused at prepare naming it, and --remove-slices
+    deletes the node's slices."""
+    machine = private_machine(FakeSpec(gpus=2))
+    node = Node(tmp_path)
+    plugin_config(node.config, tmp_path / "cache", {"heartbeat-seconds": 0.2, "heartbeat-timeout-seconds": 1.0})
+    bad = next(g for g in machine.description()["gpus"] if g["index"] == 1)
+    claim = put(server, "sick", [f"gpu-{bad['minor']}"])
+    with driver(machine, node, server) as (kubelet, plugin):
+        end = time.monotonic() + 30
+        while not server.node_slices(NODE) and time.monotonic() < end:
+            time.sleep(0.1)
+        names = {d["name"] for s in server.node_slices(NODE) for d in s["spec"]["devices"]}
+        assert names == {f"gpu-{g['minor']}" for g in machine.description()["gpus"]}
+        plugin.wait_for("watching 2 GPU(s)")
+        inject_event(machine, 1, 79)
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            error, _ = kubelet.prepare(claim)[claim[2]]
+            if error:
+                break
+            kubelet.unprepare(claim)
+            time.sleep(0.2)
+        assert f"device gpu-{bad['minor']} ({bad['uuid']}) is unhealthy" in error, plugin.stderr()
+    kubeconfig = server.write_kubeconfig(str(tmp_path / "kubeconfig"))
+    res = run_in_fake_proc(machine, [sys.executable, "-m", "nvcontainer", "dra-driver", "--node-name", NODE,
+                                     "--kubeconfig", kubeconfig, "--remove-slices"],
+                           capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.startswith("removed "), res.stderr
+    assert server.node_slices(NODE) == []
+
+
+def test_a_kubelet_restart_mid_prepare(machine, tmp_path, server):
+    """The kubelet restarts (its sockets wiped) while a prepare waits on a slow API server: the
+    prepare finishes, the plugin serves and registers again, the repeated prepare gets the same
+    names from the checkpoint, and the CDI directory holds the one spec, nothing half-written."""
+    node = Node(tmp_path)
+    claim = put(server, "midway", ["gpu-1"])
+    with driver(machine, node, server) as (kubelet, plugin):
+        server.slow = 1.5
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(kubelet.prepare, claim)
+            time.sleep(0.5)
+            kubelet.wipe()
+            first = pending.result(timeout=30)
+        server.slow = 0.0
+        plugin.wait_for("serving and registering again")
+        kubelet.wait_registered(new=True)
+        assert kubelet.prepare(claim) == first and first[claim[2]][0] == ""
+        assert os.listdir(node.cdi) == [claimspec.file_name(claim[2])]
+        assert "Traceback" not in plugin.stderr()
+
+
+def test_a_refused_registration_is_one_line_and_the_plugin_keeps_serving(machine, tmp_path, server):
+    node = Node(tmp_path)
+    args = [*node.args(server.write_kubeconfig(str(node.base / "kubeconfig"))), "--sysfs", str(machine.sysfs)]
+    plugin = Plugin(machine, node.config, node.base / "debug.log", args, command="dra-driver")
+    try:
+        FakeDraKubelet(node.registrar, node.plugins, refuse="plugin name taken").wait_registered()
+        plugin.wait_for("the kubelet refused the registration: plugin name taken")
+        kubelet = FakeDraKubelet(node.registrar, node.plugins)
+        kubelet.wait_registered()                      # the watcher tries again: still served
+        plugin.wait_for("registered with the kubelet as gpu.nvidia.com")
+    finally:
+        assert plugin.terminate() == 0
+    assert "Traceback" not in plugin.stderr()
+
+
+@pytest.mark.parametrize("args, env, line", [
+    ([], {}, "nvcontainer: input error: --node-name (or NODE_NAME) is required"),
+    (["--cdi-root", "relative"], {"NODE_NAME": "n"}, "nvcontainer: input error: --cdi-root relative: must be an absolute"),
+    (["--kubeconfig", "/nonexistent", "--remove-slices"], {"NODE_NAME": "n"},
+     "nvcontainer: kubernetes error: kubeconfig /nonexistent: "),
+])
+def test_bad_input_is_one_line(args, env, line, tmp_path):
+    import subprocess
+
+    res = subprocess.run([sys.executable, "-m", "nvcontainer", "dra-driver", *args], capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], **env}, cwd=tmp_path, timeout=60)
+    assert res.returncode == 1 and res.stderr.startswith(line) and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_time_slicing_runs_the_drivers_nvidia_smi(machine, tmp_path, server):
+    node = Node(tmp_path)
+    config = {"source": "FromClass", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": API, "kind": "GpuConfig", "sharing": {"strategy": "TimeSlicing",
+                                                            "timeSlicingConfig": {"interval": "Long"}}}}}
+    claim = put(server, "sliced", ["gpu-0"], configs=[config])
+    uuid = next(g["uuid"] for g in machine.description()["gpus"] if g["index"] == 0)
+    with driver(machine, node, server) as (kubelet, _):
+        assert kubelet.prepare(claim)[claim[2]][0] == ""
+        assert kubelet.unprepare(claim) == {claim[2]: ""}
+    trace = (node.base / "debug.log").read_text()
+    assert f"time-slice of {uuid} set to Long for claim default/sliced" in trace
+    assert "not reset" not in trace

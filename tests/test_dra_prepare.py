@@ -1,0 +1,253 @@
+"""Preparing and unpreparing claims on the fake GPU machines, in process: the transient CDI
+spec (what ``cdi generate`` gives the same devices, under the claim's names), the checkpoint
+(idempotent, kept over a restart, rebuilt when damaged), one claim at a time, and the faults
+(claim deleted, API server slow). The claim source is a dict behind the same call the API
+client offers; the API server itself is test_dra_driver's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from nvcontainer.cdi import generate, store
+from nvcontainer.dra import checkpoint, claimspec
+from nvcontainer.dra.command import device_table
+from nvcontainer.dra.prepare import Preparer
+from nvcontainer.errors import NvcError
+from nvcontainer.inventory.build import build
+from tests.fixtures.fakegpu import FakeSpec
+
+HOOK = "/usr/local/bin/nvcontainer-hook"
+NODE = "node-a"
+UID1 = "3f1c8f36-0000-4000-8000-000000000001"
+UID2 = "3f1c8f36-0000-4000-8000-000000000002"
+MIG2 = FakeSpec(gpus=2, mig=True, mig_gpus=1, mig_devices=2, mig_profiles=("1g.10gb", "2g.20gb"))
+
+
+class Claims:
+    """ResourceClaims by (namespace, name), served as the API client serves them."""
+
+    def __init__(self, delay: float = 0.0):
+        self.objects: dict[tuple[str, str], dict] = {}
+        self.calls = 0
+        self.delay = delay
+        self.lock = threading.Lock()
+
+    def put(self, uid: str, devices, name: str = "c", namespace: str = "ns", configs=()) -> tuple[str, str, str]:
+        results = [{"request": "gpu", "driver": "gpu.nvidia.com", "pool": NODE, "device": d} for d in devices]
+        self.objects[(namespace, name)] = {
+            "metadata": {"namespace": namespace, "name": name, "uid": uid},
+            "status": {"allocation": {"devices": {"results": results, "config": list(configs)}}}}
+        return namespace, name, uid
+
+    def get(self, namespace: str, name: str, deadline: float) -> dict:
+        with self.lock:
+            self.calls += 1
+        if self.delay:
+            time.sleep(min(self.delay, max(deadline - time.monotonic(), 0)))
+            if time.monotonic() >= deadline:
+                raise NvcError("kubernetes", f"get resourceclaim {namespace}/{name}: no answer in time")
+        if (namespace, name) not in self.objects:
+            raise NvcError("kubernetes", f"get resourceclaim {namespace}/{name}: not found")
+        return self.objects[(namespace, name)]
+
+
+def table_of(inv) -> dict:
+    return device_table(inv, None)
+
+
+@pytest.fixture(scope="module")
+def inv(fake_machine_factory):
+    machine = fake_machine_factory(FakeSpec(gpus=2))
+    return build(str(machine.root), proc=str(machine.proc))
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    return str(tmp_path / "cdi"), str(tmp_path / "plugin")
+
+
+def preparer(inv, dirs, source: Claims, lines=None, unhealthy=dict) -> Preparer:
+    lines = lines if lines is not None else []
+    return Preparer(inv, table_of(inv), NODE, dirs[0], dirs[1], generate.Options(hook_path=HOOK), source.get,
+                    lines.append, unhealthy)
+
+
+def spec_of(dirs, uid) -> dict:
+    return store.read_spec(os.path.join(dirs[0], claimspec.file_name(uid))).spec
+
+
+def test_one_gpu_claim_gets_a_spec_of_its_own(inv, dirs):
+    source = Claims()
+    p = preparer(inv, dirs, source)
+    devices = asyncio.run(p.prepare(*source.put(UID1, ["gpu-1"])))
+    assert [d["cdi"] for d in devices] == [[f"k8s.gpu.nvidia.com/claim={UID1}-gpu-1"]]
+    spec = spec_of(dirs, UID1)
+    assert spec["kind"] == "k8s.gpu.nvidia.com/claim"
+    assert [d["name"] for d in spec["devices"]] == [f"{UID1}-gpu-1"]
+    nodes = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
+    assert "/dev/nvidia1" in nodes and "/dev/nvidia0" not in nodes
+    # the same edits cdi generate makes for that GPU
+    full = generate.generate(inv, generate.Options(hook_path=HOOK, strategies=("uuid",))).to_dict()
+    gpu1 = next(d for d in full["devices"] if d["name"] == inv.gpus[1].uuid)
+    assert spec["devices"][0]["containerEdits"] == gpu1["containerEdits"]
+    assert spec["containerEdits"] == full["containerEdits"]
+    assert os.listdir(dirs[0]) == [claimspec.file_name(UID1)]     # nothing else, no temporary left
+
+
+def test_prepare_is_idempotent_and_survives_a_restart(inv, dirs):
+    source = Claims()
+    claim = source.put(UID1, ["gpu-0", "gpu-1"])
+    first = asyncio.run(preparer(inv, dirs, source).prepare(*claim))
+    assert [d["device"] for d in first] == ["gpu-0", "gpu-1"]
+    again = preparer(inv, dirs, source)                           # a restarted plugin
+    assert asyncio.run(again.prepare(*claim)) == first
+    assert source.calls == 1                                      # answered from the checkpoint
+    asyncio.run(again.unprepare(*claim))
+    assert os.listdir(dirs[0]) == []
+    assert json.load(open(os.path.join(dirs[1], checkpoint.NAME)))["claims"] == {}
+    asyncio.run(again.unprepare(*claim))                          # a repeated unprepare is fine
+
+
+def test_unprepare_removes_exactly_what_prepare_made(inv, dirs):
+    source = Claims()
+    a, b = source.put(UID1, ["gpu-0"], name="a"), source.put(UID2, ["gpu-0"], name="b")   # a shared GPU
+    p = preparer(inv, dirs, source)
+    os.makedirs(dirs[0])
+    open(os.path.join(dirs[0], "nvidia.yaml"), "w").write("not ours\n")
+    asyncio.run(p.prepare(*a))
+    asyncio.run(p.prepare(*b))
+    asyncio.run(p.unprepare(*a))
+    assert sorted(os.listdir(dirs[0])) == sorted(["nvidia.yaml", claimspec.file_name(UID2)])
+    assert set(p.claims) == {UID2}
+
+
+def test_two_prepares_of_one_claim_at_once_ask_once(inv, dirs):
+    source = Claims(delay=0.3)
+    claim = source.put(UID1, ["gpu-0"])
+    p = preparer(inv, dirs, source)
+
+    async def both():
+        return await asyncio.gather(p.prepare(*claim), p.prepare(*claim))
+
+    one, two = asyncio.run(both())
+    assert one == two and source.calls == 1 and p.locks == {}
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "huge", "symlink", "shape", "sharing"])
+def test_a_damaged_checkpoint_is_rebuilt_from_the_specs(inv, dirs, damage, tmp_path):
+    source = Claims()
+    claim = source.put(UID1, ["gpu-1"])
+    expected = asyncio.run(preparer(inv, dirs, source).prepare(*claim))
+    path = os.path.join(dirs[1], checkpoint.NAME)
+    text = open(path).read()
+    os.unlink(path)
+    if damage == "garbage":
+        open(path, "wb").write(b"\x00\xff{[")
+    elif damage == "truncated":
+        open(path, "w").write(text[:len(text) // 2])
+    elif damage == "huge":
+        with open(path, "wb") as f:
+            f.truncate(checkpoint.MAX_BYTES + 10)
+    elif damage == "symlink":
+        (tmp_path / "elsewhere").write_text(text)
+        os.symlink(tmp_path / "elsewhere", path)
+    else:
+        doc = json.loads(text)
+        if damage == "shape":
+            doc["claims"][UID1]["devices"][0]["cdi"] = "k8s.gpu.nvidia.com/claim=x"
+        else:
+            doc["claims"][UID1]["devices"][0]["sharing"] = "TimeSlicing"
+        open(path, "w").write(json.dumps(doc))
+    lines = []
+    p = preparer(inv, dirs, source, lines)
+    assert len(lines) == 1 and lines[0].startswith("checkpoint refused") and "rebuilt from 1 claim specs" in lines[0]
+    assert asyncio.run(p.prepare(*claim)) == expected and source.calls == 1
+    assert checkpoint.load(dirs[1], dirs[0], lines.append) == p.claims and len(lines) == 1   # written back
+
+
+def test_a_deleted_claim_is_an_error_and_nothing_is_written(inv, dirs):
+    p = preparer(inv, dirs, Claims())
+    with pytest.raises(NvcError, match="claim ns/gone: deleted"):
+        asyncio.run(p.prepare("ns", "gone", UID1))
+    assert not os.path.exists(dirs[0]) or os.listdir(dirs[0]) == []
+
+
+def test_a_slow_api_server_gives_an_error_within_the_deadline(inv, dirs):
+    source = Claims(delay=30)
+    p = preparer(inv, dirs, source)
+    start = time.monotonic()
+    with pytest.raises(NvcError, match="no answer in time|did not answer in time"):
+        asyncio.run(p.prepare(*source.put(UID1, ["gpu-0"]), deadline=time.monotonic() + 3))
+    assert time.monotonic() - start < 3
+
+
+def test_an_unhealthy_device_is_an_error_naming_it(inv, dirs):
+    source = Claims()
+    p = preparer(inv, dirs, source, unhealthy=lambda: {inv.gpus[0].uuid: "XID 79"})
+    with pytest.raises(NvcError, match=f"device gpu-0 \\({inv.gpus[0].uuid}\\) is unhealthy: XID 79"):
+        asyncio.run(p.prepare(*source.put(UID1, ["gpu-0"])))
+
+
+def test_a_mig_claim(fake_machine_factory, dirs):
+    machine = fake_machine_factory(MIG2)
+    mig_inv = build(str(machine.root), proc=str(machine.proc))
+    source = Claims()
+    name, (gpu, mig) = next((n, u) for n, u in table_of(mig_inv).items() if u[1] is not None)
+    devices = asyncio.run(preparer(mig_inv, dirs, source).prepare(*source.put(UID1, [name])))
+    assert devices[0]["uuid"] == mig.uuid
+    nodes = [n["path"] for n in spec_of(dirs, UID1)["devices"][0]["containerEdits"]["deviceNodes"]]
+    assert f"/dev/nvidia{gpu.minor}" in nodes and mig.gi_cap.path in nodes and mig.ci_cap.path in nodes
+
+
+@pytest.mark.parametrize("uid", ["../../etc/x", "a/b", "", "x" * 80, "-leading"])
+def test_a_uid_that_is_not_one_is_refused_before_it_names_a_file(inv, dirs, uid):
+    p = preparer(inv, dirs, Claims())
+    for call in (p.prepare("ns", "c", uid), p.unprepare("ns", "c", uid)):
+        with pytest.raises(NvcError, match="not a UID"):
+            asyncio.run(call)
+    assert not os.path.exists(dirs[0])
+
+
+def time_slicing(interval: str, requests=()) -> dict:
+    return {"source": "FromClaim", "requests": list(requests), "opaque": {"driver": "gpu.nvidia.com", "parameters": {
+        "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}}}}}
+
+
+def test_time_slices_are_set_and_reset_by_the_last_claim(inv, dirs):
+    calls = []
+    source = Claims()
+    p = Preparer(inv, table_of(inv), NODE, dirs[0], dirs[1], generate.Options(hook_path=HOOK), source.get,
+                 lambda line: None, run=calls.append)
+    smi = os.path.join(inv.root, next(b.path for b in inv.binaries if b.name == "nvidia-smi").lstrip("/"))
+    g0, g1 = inv.gpus[0].uuid, inv.gpus[1].uuid
+    a = source.put(UID1, ["gpu-0", "gpu-1"], name="a", configs=[time_slicing("Long")])
+    b = source.put(UID2, ["gpu-1"], name="b", configs=[time_slicing("Short")])
+    asyncio.run(p.prepare(*a))
+    asyncio.run(p.prepare(*b))
+    assert calls == [[smi, "compute-policy", "-i", g0, "--set-timeslice=3"],
+                     [smi, "compute-policy", "-i", g1, "--set-timeslice=3"],
+                     [smi, "compute-policy", "-i", g1, "--set-timeslice=1"]]
+    del calls[:]
+    asyncio.run(p.unprepare(*a))                     # GPU 1 is still b's
+    assert calls == [[smi, "compute-policy", "-i", g0, "--set-timeslice=0"]]
+    asyncio.run(p.unprepare(*b))
+    assert calls[1:] == [[smi, "compute-policy", "-i", g1, "--set-timeslice=0"]]
+
+
+def test_a_time_slice_that_cannot_be_set_fails_the_prepare(inv, dirs):
+    def fail(argv):
+        raise NvcError("device", f"{' '.join(argv[1:])}: exit status 2: Insufficient Permissions")
+
+    source = Claims()
+    p = Preparer(inv, table_of(inv), NODE, dirs[0], dirs[1], generate.Options(hook_path=HOOK), source.get,
+                 lambda line: None, run=fail)
+    with pytest.raises(NvcError, match=f"-i {inv.gpus[0].uuid} --set-timeslice=2: exit status 2"):
+        asyncio.run(p.prepare(*source.put(UID1, ["gpu-0"], configs=[time_slicing("Medium")])))
+    assert not os.path.exists(dirs[0]) and p.claims == {}
