@@ -18,14 +18,10 @@ from ..errors import NvcError, escape
 
 
 def device_table(inv, allow) -> dict:
-    """DRA device name → (gpu, mig) for the devices this node offers."""
-    from . import names
+    """DRA device name → (gpu, mig) for the devices this node offers (those its slices publish)."""
+    from .slices import offered
 
-    table = {}
-    for named in names.devices(inv):
-        if allow is None or allow.permits(named.gpu, named.mig):
-            table[named.name] = (named.gpu, named.mig)
-    return table
+    return {named.name: (named.gpu, named.mig) for named in offered(inv, allow)}
 
 
 def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_dir: str, kubeconfig: str | None,
