@@ -18,7 +18,11 @@ up on a bare machine), it records, into one JSON file and one text report,
 * start latency, interleaved rounds of ``runc run`` of ``true`` with every registration and
   without a hook, as ``python -m benchmarks`` times them on the fake machine, with CPU per
   start (runc's children, plus the server's whole tree for the served arms); and 32 starts at
-  once per registration, the p95 each adds over the no-hook arm's.
+  once per registration, the p95 each adds over the no-hook arm's;
+* the Kubernetes side (``benchmarks/realgpu_k8s.py``): two containers at once on GPU 0's MPS
+  replicas (``nvcontainer mps-daemon`` and what the device plugin's Allocate hands out), the
+  real GPU's DRA ResourceSlice and one claim prepared by ``nvcontainer dra-driver`` and run
+  through its CDI spec, and a running container as ``nvcontainer ps --json`` shows it.
 
 Nothing here changes the GPU's settings (no persistence mode, no clocks, no MIG): the node is
 only read, and the namespaces, cgroups and runc state it makes are removed at the end.
@@ -41,15 +45,17 @@ import time
 import uuid
 from pathlib import Path
 
-from . import nvidia, stats
+from . import nvidia, realgpu_k8s as k8s, stats
 
 HOOK_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
 GPU_ENV = ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
 
 CUDA_TEST = r"""
 #include <cstdio>
+#include <cstdlib>
+#include <unistd.h>
 __global__ void twice(int *x) { x[threadIdx.x] = 2 * threadIdx.x; }
-int main() {
+int main(int argc, char **argv) {   // argv[1]: seconds to hold the GPU memory after the kernel
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) { printf("cuda: cudaGetDeviceCount: %s\n", cudaGetErrorString(e)); return 1; }
@@ -64,6 +70,8 @@ int main() {
     for (int i = 0; i < 64; i++) sum += h[i];
     printf("cuda: %d device(s), %s, %d SMs, kernel result %s (sum %ld)\n", n, p.name, p.multiProcessorCount,
            sum == 4032 ? "correct" : "WRONG", sum);
+    fflush(stdout);
+    if (argc > 1) sleep(atoi(argv[1]));
     return sum == 4032 ? 0 : 1;
 }
 """
@@ -98,6 +106,7 @@ class Node:
         self.no_pivot: list[str] = []
         self.cgroups: list[Path] = []      # made for the namespaces, removed at the end
         self.has_cuda = False
+        self.undo: list = []               # the k8s steps' clean-up (benchmarks/realgpu_k8s.py), run last first
 
     def say(self, line: str = "") -> None:
         self.text.append(line)
@@ -376,13 +385,18 @@ class Node:
             last = now
             time.sleep(0.02)
 
-    def runc_checks(self, template: Path) -> None:
-        self.say("\n== runc run with each registration (GPU 0, compute+utility; runc's device cgroup denies by default)")
+    def probe_pivot(self, template: Path) -> dict:
+        """runc run of ``true``, no hook; where pivot_root fails (a rootfs on the initramfs),
+        ``--no-pivot`` from then on."""
         probe = self.run_bundle(self.bundle(template, [], [], ["/bin/true"]))
         if probe["rc"] != 0 and "pivot" in probe["stderr"]:
             self.no_pivot = ["--no-pivot"]
             probe = self.run_bundle(self.bundle(template, [], [], ["/bin/true"]))
-        self.block("runc, no hook", probe)
+        return probe
+
+    def runc_checks(self, template: Path) -> None:
+        self.say("\n== runc run with each registration (GPU 0, compute+utility; runc's device cgroup denies by default)")
+        self.block("runc, no hook", self.probe_pivot(template))
         entries = self.entries()
         work = "nvidia-smi -L; " + ("/cudatest; " if self.has_cuda else "") + "ls /dev | grep -i nvidia | tr '\\n' ' '; echo"
         checks = {}
@@ -659,6 +673,11 @@ class Node:
         self.report["profile"] = out
 
     def cleanup(self) -> None:
+        for undo in reversed(self.undo):
+            try:
+                undo()
+            except Exception as exc:   # the rest of the clean-up still runs
+                self.say(f"!! clean-up: {type(exc).__name__}: {exc}")
         if getattr(self, "server", None):
             self.server.send_signal(signal.SIGTERM)
             try:
@@ -682,7 +701,7 @@ def main() -> int:
     parser.add_argument("--at-once", type=int, default=32, help="starts spawned together (concurrent step)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the concurrent step")
     parser.add_argument("--only", default="facts,parity,extras,deviceplugin,configure,runc,timing,concurrent,"
-                                          "profile,shim", help="the steps to run, comma-separated (default: %(default)s)")
+                                          "profile,shim,mps,dra,ps", help="the steps to run, comma-separated (default: %(default)s)")
     args = parser.parse_args()
     node = Node(args)
     parts = args.only.split(",")
@@ -703,16 +722,21 @@ def main() -> int:
                     steps[name]()
                 except Exception as exc:  # one broken step must not lose the others' record
                     node.say(f"!! step {name} failed: {type(exc).__name__}: {exc}")
-        if {"configure", "runc", "timing", "concurrent", "profile", "shim"} & set(parts):
+        if {"configure", "runc", "timing", "concurrent", "profile", "shim", "mps", "dra", "ps"} & set(parts):
             template = node.build_rootfs()
             node.base_spec = node.spec()
             node.start_server()
+            if "runc" not in parts:
+                node.probe_pivot(template)
             for name, step in (("configure", lambda: node.configure(template)),
                                ("runc", lambda: node.runc_checks(template)),
                                ("timing", lambda: node.timing(template, args.runs)),
                                ("concurrent", lambda: node.concurrent(template, args.at_once, args.rounds)),
                                ("profile", lambda: node.profile(template)),
-                               ("shim", lambda: node.shim(template))):
+                               ("shim", lambda: node.shim(template)),
+                               ("mps", lambda: k8s.mps(node, template)),
+                               ("dra", lambda: k8s.dra(node, template)),
+                               ("ps", lambda: k8s.ps(node, template))):
                 if name in parts:
                     try:
                         step()

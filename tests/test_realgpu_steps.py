@@ -1,0 +1,123 @@
+"""The parts of benchmarks/realgpu.py's ``mps``, ``dra`` and ``ps`` steps that need no GPU
+(benchmarks/realgpu_k8s.py's pure helpers), on the fake machine: what the two MPS containers are
+given, what the slice check refuses, a real claim's CDI spec applied to a runc spec, the
+``ps --json`` lookup, and the kube fixtures loading on a node without pytest."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+
+from benchmarks import realgpu_k8s as k8s
+from nvcontainer.config.load import load
+from nvcontainer.deviceplugin import mps, settings as settings_module
+from nvcontainer.dra import claims, claimspec, publish, slices
+from nvcontainer.dra.command import device_table
+from nvcontainer.cdi import generate
+from nvcontainer.inventory.build import build
+from nvcontainer.records import replace
+from tests.fixtures.fakegpu import FakeSpec
+from tests.test_deviceplugin_core import gpu, inventory
+
+TWO = inventory(replace(gpu(0), memory=81920 << 20), replace(gpu(1), memory=15360 << 20))
+BASE = {"process": {"env": ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=0"]},
+        "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"},
+                   {"destination": "/dev/shm", "type": "tmpfs", "source": "shm"}]}
+
+
+def test_the_config_file_gives_the_table_the_allocation_uses(tmp_path):
+    path = tmp_path / "mps.toml"
+    path.write_text(k8s.mps_config("/c", "/r/mps", "/r/sockets"))
+    settings = settings_module.parse(load(str(path)).device_plugin)
+    assert (settings.sharing, settings.replicas, settings.mps_root) == ("mps", 2, "/r/mps")
+    assert mps.enabled(settings)
+
+
+def test_two_replicas_of_gpu_0_get_its_daemon_pipe_shm_and_limits():
+    table = dict(k8s.MPS_TABLE, **{"mps-root": "/r/mps"})
+    answers = [k8s.mps_allocation(TWO, table, replica=r) for r in (0, 1)]
+    (share, first), (other, second) = answers
+    assert share == other and share.index == 0 and share.threads == 50 and share.memory_mib == 40960
+    for answer in (first, second):
+        envs = dict(answer.envs)
+        assert envs["NVIDIA_VISIBLE_DEVICES"] == TWO.gpus[0].uuid
+        assert envs["CUDA_MPS_PIPE_DIRECTORY"] == "/mps/nvidia.com/gpu/pipe"
+        assert envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+        assert {(m.container_path, m.host_path) for m in answer.mounts} == {
+            ("/mps/nvidia.com/gpu/pipe", f"/r/mps/nvidia.com/gpu/{TWO.gpus[0].uuid}/pipe"), ("/dev/shm", "/r/mps/shm")}
+    with pytest.raises(LookupError):
+        k8s.mps_allocation(TWO, table, replica=2)
+
+
+def test_the_allocation_replaces_the_spec_s_shm_and_variable():
+    _, answer = k8s.mps_allocation(TWO, dict(k8s.MPS_TABLE))
+    spec = k8s.with_allocation(copy.deepcopy(BASE), answer)
+    env = dict(e.split("=", 1) for e in spec["process"]["env"])
+    assert env["NVIDIA_VISIBLE_DEVICES"] == TWO.gpus[0].uuid and env["PATH"] == "/bin"
+    assert [e for e in spec["process"]["env"] if e.startswith("NVIDIA_VISIBLE_DEVICES=")] == \
+        [f"NVIDIA_VISIBLE_DEVICES={TWO.gpus[0].uuid}"]
+    shm = [m for m in spec["mounts"] if m["destination"] == "/dev/shm"]
+    assert shm == [{"destination": "/dev/shm", "source": "/run/nvidia/mps/shm", "type": "bind",
+                    "options": ["rbind", "rw"]}]
+
+
+@pytest.fixture(scope="module")
+def inv(fake_machine_factory):
+    machine = fake_machine_factory(FakeSpec(gpus=2))
+    return machine, build(str(machine.root), proc=str(machine.proc))
+
+
+def test_the_fake_machine_s_slices_pass_and_each_fault_is_named(inv):
+    machine, inventory_ = inv
+    built = slices.build(inventory_, k8s.NODE_NAME, roots=publish.pcie_roots(str(machine.sysfs), inventory_))
+    assert k8s.slice_problems(built) == []
+    for fault, expect in (
+            (lambda a: a.pop("productName"), "gpu-0: no attribute productName"),
+            (lambda a: a.update(driverVersion={"version": "550.54.014"}), "driverVersion '550.54.014' is not semver"),
+            (lambda a: a.update(cudaComputeCapability={"version": "8.0"}), "cudaComputeCapability '8.0' is not"),
+            (lambda a: a.update(pcieBusID={"string": "00000000:07:00.0"}), "pcieBusID '00000000:07:00.0' is not"),
+            (lambda a: a["resource.kubernetes.io/pciBusID"].update(string="0000:0A:00.0"), "pciBusID '0000:0A:00.0'")):
+        broken = copy.deepcopy(built)
+        fault(broken[0]["spec"]["devices"][0]["attributes"])
+        assert any(expect in p for p in k8s.slice_problems(broken)), (expect, k8s.slice_problems(broken))
+    assert k8s.slice_problems([{"spec": {"devices": []}}]) == ["no whole GPU in the slices"]
+
+
+def test_a_prepared_claim_s_cdi_spec_applied_to_a_runc_spec(inv, tmp_path):
+    _, inventory_ = inv
+    claim = {"metadata": {"uid": "0000-c"}, "status": {"allocation": {"devices": {"results": [
+        {"request": "gpu", "driver": "gpu.nvidia.com", "pool": k8s.NODE_NAME, "device": "gpu-1"}], "config": []}}}}
+    resolved = claims.resolve(claim, "default", "c", "0000-c", k8s.NODE_NAME, device_table(inventory_, None))
+    spec = claimspec.build(inventory_, resolved, generate.Options(hook_path="/usr/bin/nvcontainer-hook"))
+    entry = {"uid": "0000-c", "devices": []}
+    path = tmp_path / claimspec.file_name("0000-c")
+    path.write_text(claimspec.render(spec, entry, inventory_.driver_version))
+    name = claimspec.cdi_name("0000-c", "gpu-1")
+    out = k8s.with_cdi_device(copy.deepcopy(BASE), str(path), name)
+    nodes = [d["path"] for d in out["linux"]["devices"]]
+    assert "/dev/nvidia1" in nodes and "/dev/nvidia0" not in nodes and "/dev/nvidiactl" in nodes
+    assert any(h["path"] == "/usr/bin/nvcontainer-hook" for h in out["hooks"]["createRuntime"])
+    assert any(m["destination"].endswith("nvidia-smi") for m in out["mounts"])
+
+
+def test_ps_lookup_finds_the_container_under_its_gpu_only():
+    view = [{"index": 0, "containers": [{"id": "a", "processes": [{"pid": 1, "memory": 5}]}]},
+            {"index": 1, "containers": [{"id": "b", "processes": []}]}]
+    assert k8s.ps_container(view, "a") == view[0]["containers"][0]
+    assert k8s.ps_container(view, "b") is None and k8s.ps_container(view, "b", 1) == view[1]["containers"][0]
+    assert k8s.ps_container(json.loads("[]"), "a") is None
+
+
+def test_the_kube_fixtures_load_on_a_node_without_pytest(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pytest", None)         # import pytest raises ImportError
+    monkeypatch.delitem(sys.modules, "tests.fixtures.kubeapi", raising=False)
+    FakeApiServer, FakeDraKubelet, validate_slice = k8s.kube_fixtures()
+    server = FakeApiServer()
+    try:
+        server.put_node(k8s.NODE_NAME)
+        assert server.url.startswith("http://127.0.0.1:") and callable(validate_slice)
+    finally:
+        server.stop()
