@@ -107,6 +107,8 @@ class Node:
         self.cgroups: list[Path] = []      # made for the namespaces, removed at the end
         self.has_cuda = False
         self.undo: list = []               # the k8s steps' clean-up (benchmarks/realgpu_k8s.py), run last first
+        # where the k8s steps read the node (tests/test_realgpu_steps.py points them at the fake machine)
+        self.proc, self.sysfs, self.extra_config = "/proc", "/sys", ""
 
     def say(self, line: str = "") -> None:
         self.text.append(line)

@@ -6,8 +6,9 @@ Why a module of its own: these steps share the image, bundles and hook registrat
 kubelet plugin) or a reader of the node (``nvcontainer ps``) as Kubernetes would, and what a
 container gets is computed by the product's own pure code (the device plugin's Allocate, the
 claim's CDI spec applied as engines apply it), never restated here; so a real run checks the
-same decisions the tests check. The helpers at the top are pure and run on the fake machine
-(tests/test_realgpu_steps.py); the steps below them need the GPU.
+same decisions the tests check. The helpers at the top are pure; the steps below them run
+whole on the fake machine too (tests/test_realgpu_steps.py, through ``node.proc``, ``sysfs`` and
+``extra_config`` and a stand-in runc), all but the GPU's own answers.
 
 Nothing here changes the GPU's settings: MPS is run without touching the compute mode (it is
 read before and after, and recorded), a DRA claim without a sharing configuration sets no
@@ -37,6 +38,7 @@ SLICE_VERSIONS = ("cudaComputeCapability", "driverVersion", "cudaDriverVersion")
 SEMVER = re.compile(r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(\+[0-9A-Za-z.]+)?")
 BUS_ID = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 WAIT = 60.0
+CLIENT_WAIT = 30.0                  # for both MPS clients to be listed by the control daemon
 
 
 # --- pure: what a container is given, what a slice must say -------------------------------------
@@ -116,9 +118,10 @@ def with_cdi_device(spec: dict, spec_path: str, name: str) -> dict:
     return spec
 
 
-def ps_container(view: list[dict], container_id: str, gpu_index: int = 0) -> dict | None:
-    """The container's entry under GPU ``gpu_index`` in ``nvcontainer ps --json``, or None."""
-    for gpu in view:
+def ps_container(doc: dict, container_id: str, gpu_index: int = 0) -> dict | None:
+    """The container's entry under GPU ``gpu_index`` in ``nvcontainer ps --json``'s document
+    (``{"gpus": [...]}``), or None."""
+    for gpu in doc.get("gpus", []):
         if gpu.get("index") == gpu_index:
             return next((c for c in gpu.get("containers", []) if c.get("id") == container_id), None)
     return None
@@ -139,11 +142,11 @@ def kube_fixtures():
 
 # --- the steps (a real GPU) ------------------------------------------------------------------------
 
-def _inventory(config_path: Path):
+def _inventory(node, config_path: Path):
     from nvcontainer.config.load import load
     from nvcontainer.inventory.cache import cached_inventory
 
-    return cached_inventory(load(str(config_path)))
+    return cached_inventory(load(str(config_path)), proc=node.proc)
 
 
 def _stop(proc: subprocess.Popen, timeout: float = 30) -> object:
@@ -193,9 +196,12 @@ def mps(node, template: Path) -> None:
     out: dict = {"compute_mode_before": _compute_mode()}
     root = node.work / "mps"
     config = node.work / "mps.toml"
-    config.write_text(mps_config(str(node.work / "plugin-cache"), str(root), str(node.work / "mps-sockets")))
-    inv = _inventory(config)
-    share, response = mps_allocation(inv, MPS_TABLE)
+    config.write_text(mps_config(str(node.work / "plugin-cache"), str(root), str(node.work / "mps-sockets"))
+                      + node.extra_config)
+    inv = _inventory(node, config)
+    from nvcontainer.config.load import load
+    table = load(str(config)).device_plugin      # the very table mps-daemon reads
+    share, response = mps_allocation(inv, table)
     out["allocation"] = {"envs": dict(response.envs), "mounts": [[m.container_path, m.host_path]
                                                                for m in response.mounts]}
     node.say(f"allocate (the plugin's code): {out['allocation']}")
@@ -221,7 +227,7 @@ def mps(node, template: Path) -> None:
         work = "/cudatest 10; nvidia-smi -L; echo CUDA_MPS_PIPE_DIRECTORY=$CUDA_MPS_PIPE_DIRECTORY; ls /mps/*/*/pipe"
         bundles, procs = [], []
         for replica in range(MPS_TABLE["replicas"]):
-            _, answer = mps_allocation(inv, MPS_TABLE, replica=replica)
+            _, answer = mps_allocation(inv, table, replica=replica)
             bundle = node.bundle(template, [node.entries()["hook"]], GPU_ENV, ["/bin/sh", "-c", work])
             spec = json.loads((bundle / "config.json").read_text())
             (bundle / "config.json").write_text(json.dumps(with_allocation(spec, answer)))
@@ -232,7 +238,7 @@ def mps(node, template: Path) -> None:
                                           env=node.runc_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE))
         # both clients hold the GPU for 10 s after their kernel: asked until the server has two
-        out["servers_during"], out["clients_during"] = _clients(control, env, WAIT / 2)
+        out["servers_during"], out["clients_during"] = _clients(control, env, CLIENT_WAIT)
         node.block("get_server_list (during)", out["servers_during"])
         node.block("get_client_list (during)", out["clients_during"])
         runs = []
@@ -276,13 +282,15 @@ def dra(node, template: Path) -> None:
         raise RuntimeError(f"no lightkube for the node's Python ({exc}): add its wheels to TOOLS/whl") from None
     out: dict = {}
     config = node.work / "dra.toml"
-    config.write_text(f'cache-dir = "{node.work}/plugin-cache"\n')
-    inv = _inventory(config)        # before any thread starts here (building it may fork)
-    built = slices.build(inv, NODE_NAME, roots=publish.pcie_roots("/sys", inv))
+    config.write_text(f'cache-dir = "{node.work}/plugin-cache"\n' + node.extra_config)
+    inv = _inventory(node, config)        # before any thread starts here (building it may fork)
+    built = slices.build(inv, NODE_NAME, roots=publish.pcie_roots(node.sysfs, inv))
     FakeApiServer, FakeDraKubelet, validate_slice = kube_fixtures()
     out["slices"] = built
     out["problems"] = slice_problems(built)
-    out["api_validation"] = {v: [validate_slice(s, v) for s in built] for v in ("v1", "v1beta2", "v1beta1")}
+    from nvcontainer.dra.kubeapi import _in_version      # each version's shape, as the publisher writes it
+    out["api_validation"] = {v: [validate_slice(_in_version(s, v), v) for s in built]
+                             for v in ("v1", "v1beta2", "v1beta1")}
     node.say(json.dumps(built, indent=1))
     node.say(f"-> slice problems: {out['problems'] or 'none'}; API validation: {out['api_validation']}")
     base = node.work / "dra"
@@ -304,15 +312,17 @@ def dra(node, template: Path) -> None:
         [str(node.ours), "--config", str(config), "--debug", str(debug), "dra-driver", "--node-name", NODE_NAME,
          "--cdi-root", str(dirs["cdi"]), "--kubelet-registrar-directory-path", str(dirs["registrar"]),
          "--kubelet-plugins-directory-path", str(dirs["plugins"]), "--kubeconfig",
-         server.write_kubeconfig(str(base / "kubeconfig")), "--hook-path", str(node.venv / "bin" / "nvcontainer-hook")],
+         server.write_kubeconfig(str(base / "kubeconfig")), "--hook-path", str(node.venv / "bin" / "nvcontainer-hook"),
+         "--sysfs", node.sysfs],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, cwd="/")
     node.undo.append(lambda: _stop(plugin))
     kubelet = FakeDraKubelet(dirs["registrar"], dirs["plugins"], timeout=45)
     try:
         out["registered"] = str(kubelet.wait_registered(WAIT))
         end = time.monotonic() + WAIT
-        while "registered with the kubelet" not in _tail(base / "stderr") and time.monotonic() < end:
-            time.sleep(0.1)
+        while ("registered with the kubelet" not in _tail(base / "stderr") or not server.node_slices(NODE_NAME)) \
+                and plugin.poll() is None and time.monotonic() < end:
+            time.sleep(0.1)            # registered, and its slices published
         got = kubelet.prepare(ref)[ref[2]]
         out["prepare"] = got
         out["published"] = server.node_slices(NODE_NAME)
@@ -351,21 +361,23 @@ def ps(node, template: Path) -> None:
     node.undo.append(lambda: (sh([*runc, "delete", "-f", name], env=node.runc_env),
                               shutil.rmtree(bundle, ignore_errors=True)))
     out: dict = {"container": name}
+    config = node.work / "ps.toml"
+    config.write_text(node.extra_config)          # the defaults, on a real node
+    nvc = [str(node.ours), "--config", str(config)]
     proc = subprocess.Popen([*runc, "run", *node.no_pivot, "--bundle", str(bundle), name], env=node.runc_env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], WAIT)
         out["program"] = proc.stdout.readline().decode(errors="replace").strip() if ready else "no output"
         node.say(f"in the container: {out['program']}")
-        result = sh([str(node.ours), "ps", "--json"], timeout=60)
+        result = sh([*nvc, "ps", "--json"], timeout=60)
         node.block("nvcontainer ps --json", result)
         out["ps"] = result
-        view = json.loads(result["stdout"]) if result["rc"] == 0 else []
-        entry = ps_container(view, name)
+        entry = ps_container(json.loads(result["stdout"]) if result["rc"] == 0 else {}, name)
         out["entry"] = entry
         out["seen"] = bool(entry and entry["processes"] and any(p["memory"] for p in entry["processes"]))
         node.say(f"-> container {name} under GPU 0: {json.dumps(entry)}; a CUDA process with memory: {out['seen']}")
-        out["text"] = sh([str(node.ours), "ps"], timeout=60)
+        out["text"] = sh([*nvc, "ps"], timeout=60)
         node.block("nvcontainer ps", out["text"])
     finally:
         sh([*runc, "kill", name, "KILL"], env=node.runc_env)

@@ -1,13 +1,17 @@
-"""The parts of benchmarks/realgpu.py's ``mps``, ``dra`` and ``ps`` steps that need no GPU
-(benchmarks/realgpu_k8s.py's pure helpers), on the fake machine: what the two MPS containers are
-given, what the slice check refuses, a real claim's CDI spec applied to a runc spec, the
-``ps --json`` lookup, and the kube fixtures loading on a node without pytest."""
+"""benchmarks/realgpu.py's ``mps``, ``dra`` and ``ps`` steps (benchmarks/realgpu_k8s.py) as far
+as the fake machine goes: the pure helpers (what the two MPS containers are given, what the
+slice check refuses, a real claim's CDI spec applied to a runc spec, the ``ps --json`` lookup,
+the kube fixtures on a node without pytest), then each step whole, against our commands in the
+fake machine's world, with a stand-in runc that prints the spec it is given (no GPU, no CUDA)."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import shlex
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +26,7 @@ from nvcontainer.records import replace
 from tests.fixtures.fakegpu import FakeSpec
 from tests.test_deviceplugin_core import gpu, inventory
 
+REPO = Path(__file__).resolve().parent.parent
 TWO = inventory(replace(gpu(0), memory=81920 << 20), replace(gpu(1), memory=15360 << 20))
 BASE = {"process": {"env": ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=0"]},
         "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"},
@@ -104,11 +109,12 @@ def test_a_prepared_claim_s_cdi_spec_applied_to_a_runc_spec(inv, tmp_path):
 
 
 def test_ps_lookup_finds_the_container_under_its_gpu_only():
-    view = [{"index": 0, "containers": [{"id": "a", "processes": [{"pid": 1, "memory": 5}]}]},
+    gpus = [{"index": 0, "containers": [{"id": "a", "processes": [{"pid": 1, "memory": 5}]}]},
             {"index": 1, "containers": [{"id": "b", "processes": []}]}]
-    assert k8s.ps_container(view, "a") == view[0]["containers"][0]
-    assert k8s.ps_container(view, "b") is None and k8s.ps_container(view, "b", 1) == view[1]["containers"][0]
-    assert k8s.ps_container(json.loads("[]"), "a") is None
+    view = {"gpus": gpus}
+    assert k8s.ps_container(view, "a") == gpus[0]["containers"][0]
+    assert k8s.ps_container(view, "b") is None and k8s.ps_container(view, "b", 1) == gpus[1]["containers"][0]
+    assert k8s.ps_container({}, "a") is None
 
 
 def test_the_kube_fixtures_load_on_a_node_without_pytest(monkeypatch):
@@ -121,3 +127,106 @@ def test_the_kube_fixtures_load_on_a_node_without_pytest(monkeypatch):
         assert server.url.startswith("http://127.0.0.1:") and callable(validate_slice)
     finally:
         server.stop()
+
+
+class FakeNode:
+    """What the ``dra`` step uses of benchmarks/realgpu.py's Node, on the fake machine: our
+    command run in its /proc view, and bundles recorded instead of run (no GPU, no CUDA here)."""
+
+    def __init__(self, machine, tmp_path):
+        from tests.fixtures.fakegpu.runner import fake_proc_command
+
+        self.work, self.venv, self.proc, self.sysfs = tmp_path, tmp_path / "venv", str(machine.proc), str(machine.sysfs)
+        self.extra_config = f'[nvidia-container-cli]\nroot = "{machine.root}"\n'
+        self.ours = tmp_path / "nvcontainer"
+        argv = fake_proc_command(machine, [sys.executable, "-m", "nvcontainer"])
+        self.ours.write_text("#!/bin/sh\ncd " + shlex.quote(str(REPO)) + " && exec " + shlex.join(argv) + ' "$@"\n')
+        self.ours.chmod(0o755)
+        self.report, self.text, self.undo, self.ran = {}, [], [], []
+        runc = tmp_path / "runc"        # prints the spec of the bundle it is asked to run
+        runc.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = --bundle ] && exec cat "$2/config.json"; shift; done\n')
+        runc.chmod(0o755)
+        self.runc, self.runc_env, self.no_pivot = [str(runc), "--root", str(tmp_path / "runc-state")], None, []
+
+    def entries(self):
+        return {"hook": {"path": "/usr/bin/nvcontainer-hook", "args": ["nvcontainer-hook", "prestart"]}}
+
+    def say(self, line=""):
+        self.text.append(line)
+
+    def block(self, title, result):
+        self.text.append(f"[{title}] {result['rc']}")
+
+    def bundle(self, template, prestart, env, args):
+        self.made = getattr(self, "made", 0) + 1
+        bundle = self.work / f"bundle-{self.made}"
+        bundle.mkdir()
+        spec = {"process": {"args": args, "env": env}, "mounts": [], "hooks": {"prestart": prestart}}
+        (bundle / "config.json").write_text(json.dumps(spec))
+        return bundle
+
+    def run_bundle(self, bundle):
+        self.ran.append(json.loads((bundle / "config.json").read_text()))
+        return {"argv": ["runc"], "rc": 0, "ms": 0, "stdout": "", "stderr": ""}
+
+
+def test_the_dra_step_on_the_fake_machine(inv, tmp_path):
+    machine, _ = inv
+    node = FakeNode(machine, tmp_path)
+    try:
+        k8s.dra(node, tmp_path / "image")
+    finally:
+        for undo in reversed(node.undo):
+            undo()
+    out = node.report["dra"]
+    assert out["problems"] == [] and all(not e for errors in out["api_validation"].values() for e in errors), out
+    error, [(device, names)] = out["prepare"]
+    assert error == "" and device == "gpu-0" and names == ["k8s.gpu.nvidia.com/claim=0000-realgpu-gpu-0"]
+    assert len(out["published"]) == 1, out["stderr"]
+    (spec,) = node.ran
+    assert "/dev/nvidia0" in [d["path"] for d in spec["linux"]["devices"]]
+    assert out["unprepare"] == {"0000-realgpu": ""} and out["cdi_left"] == []
+    assert out["exit"] == 0 and "Traceback" not in out["stderr"], out["stderr"]
+
+
+def test_the_mps_step_on_the_fake_machine(inv, tmp_path, monkeypatch):
+    """mps-daemon with the fake control binary; the two "containers" print the spec they got."""
+    machine, inventory_ = inv
+    monkeypatch.setattr(k8s, "CLIENT_WAIT", 0.5)      # the stand-in lists no servers or clients
+    node = FakeNode(machine, tmp_path)
+    try:
+        k8s.mps(node, tmp_path / "image")
+    finally:
+        for undo in reversed(node.undo):
+            undo()
+    out = node.report["mps"]
+    uuid = inventory_.gpus[0].uuid
+    assert json.loads(out["ready"]) == {"uuid": uuid, "replicas": 2, "threads": 50,
+                                        "memory_mib": (inventory_.gpus[0].memory >> 20) // 2}
+    pipe = f"{tmp_path}/mps/nvidia.com/gpu/{uuid}/pipe"
+    for client in out["clients"]:
+        spec = json.loads(client["stdout"])
+        assert f"NVIDIA_VISIBLE_DEVICES={uuid}" in spec["process"]["env"]
+        assert "CUDA_MPS_PIPE_DIRECTORY=/mps/nvidia.com/gpu/pipe" in spec["process"]["env"]
+        assert {(m["destination"], m["source"]) for m in spec["mounts"]} == {
+            ("/mps/nvidia.com/gpu/pipe", pipe), ("/dev/shm", f"{tmp_path}/mps/shm")}
+        assert spec["hooks"]["prestart"][0]["args"] == ["nvcontainer-hook", "prestart"]
+    assert len(out["clients"]) == 2 and out["control_log"]
+    assert out["daemon_exit"] == 0 and not out["pipe_left"], out["daemon_stderr"]
+    assert not os.path.ismount(tmp_path / "mps" / "shm") and not (tmp_path / "mps").exists()
+
+
+def test_the_ps_step_on_the_fake_machine(inv, tmp_path):
+    """The step's plumbing: the container's first line read, ``ps --json`` run and parsed."""
+    machine, inventory_ = inv
+    node = FakeNode(machine, tmp_path)
+    try:
+        k8s.ps(node, tmp_path / "image")
+    finally:
+        for undo in reversed(node.undo):
+            undo()
+    out = node.report["ps"]
+    assert json.loads(out["program"])["process"]["args"] == ["/cudatest", "60"]
+    assert out["ps"]["rc"] == 0, out["ps"]["stderr"]
+    assert [g["uuid"] for g in json.loads(out["ps"]["stdout"])["gpus"]] == [g.uuid for g in inventory_.gpus]
+    assert out["entry"] is None and out["seen"] is False        # nothing really ran
