@@ -301,6 +301,7 @@ def test_an_mps_claim_gets_its_own_daemon_reached_through_its_spec(machine, inv,
             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1024M,1=2048M"} <= set(edits["env"])
     assert {"hostPath": f"{here}/pipe", "containerPath": "/tmp/nvidia-mps",
             "options": ["rbind", "rprivate"]} in edits["mounts"]
+    assert [m["containerPath"] for m in edits["mounts"]].count("/tmp/nvidia-mps") == 1   # not the host's
     assert not lines
     # a restarted plugin keeps the daemon that answers; one that died is started again
     again = preparer(inv, dirs, source)

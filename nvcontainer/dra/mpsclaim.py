@@ -10,8 +10,8 @@ is the daemon's device number) and its directory is the plugin's own::
     <plugins>/gpu.nvidia.com/mps/<claim UID>/pipe/   CUDA_MPS_PIPE_DIRECTORY (``control``)
     <plugins>/gpu.nvidia.com/mps/<claim UID>/log/    CUDA_MPS_LOG_DIRECTORY
 
-The claim's CDI spec mounts ``pipe/`` at ``/tmp/nvidia-mps`` (CUDA's default pipe directory)
-and sets ``CUDA_MPS_PIPE_DIRECTORY`` there, with the limits also as the clients' own
+The claim's CDI spec mounts ``pipe/`` at ``/tmp/nvidia-mps`` (CUDA's default pipe directory, in
+place of the host's own that the driver's files bring) and sets ``CUDA_MPS_PIPE_DIRECTORY`` there, with the limits also as the clients' own
 ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` / ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (as the device
 plugin's MPS does: a client may lower them; the daemon's defaults hold for one that unsets
 them). Everything here is decided from the claim's record (its devices' UUIDs and sharing
@@ -23,10 +23,10 @@ from __future__ import annotations
 import os
 
 from ..cdi.generate import BIND_OPTIONS
-from ..cdi.spec import Mount
+from ..cdi.spec import Mount, Spec
 from ..errors import NvcError, escape
 from ..kubelet import mpscontrol
-from ..records import record
+from ..records import record, replace
 
 DIRECTORY = "mps"
 CONTAINER_PIPE = "/tmp/nvidia-mps"
@@ -95,8 +95,12 @@ def client_env(p: Plan) -> tuple[str, ...]:
     return tuple(env)
 
 
-def client_mounts(p: Plan) -> tuple[Mount, ...]:
-    return (Mount(p.pipe, CONTAINER_PIPE, BIND_OPTIONS),)
+def reaching(spec: Spec, p: Plan) -> Spec:
+    """``spec`` with the claim's containers sent to its daemon: the pipe directory mounted in
+    place of the host's default one (which the driver's files bring), and the clients' env."""
+    mounts = tuple(m for m in spec.edits.mounts if m.container_path != CONTAINER_PIPE)
+    return replace(spec, edits=replace(spec.edits, env=spec.edits.env + client_env(p),
+                                       mounts=mounts + (Mount(p.pipe, CONTAINER_PIPE, BIND_OPTIONS),)))
 
 
 def control(where: str, uuids, binary: str, deadline: float, label: str) -> mpscontrol.Control:

@@ -36,7 +36,6 @@ from ..cdi import generate, store
 from .. import log
 from ..errors import NvcError, escape
 from ..kubelet import mpscontrol
-from ..records import replace
 from . import checkpoint, claims, claimspec, mpsclaim, sharing
 
 KUBELET_TIMEOUT = 45.0      # the kubelet's default for a DRA call
@@ -131,8 +130,7 @@ class Preparer:
             if claim.units:
                 spec = claimspec.build(self.inv, claim, self.opts)
                 if plan is not None:
-                    spec = replace(spec, edits=replace(spec.edits, env=spec.edits.env + mpsclaim.client_env(plan),
-                                                       mounts=spec.edits.mounts + mpsclaim.client_mounts(plan)))
+                    spec = mpsclaim.reaching(spec, plan)
                 text = claimspec.render(spec, entry, self.inv.driver_version)
                 store.write_atomic(os.path.join(self.cdi_root, entry["spec"]), text)
         except BaseException:
