@@ -36,7 +36,7 @@ import json
 
 from ..errors import NvcError, escape
 from ..kubelet.mpscontrol import (BINARY as CONTROL_BINARY, CONTROL, MEMORY_ENV, PIPE_ENV, PROBE, QUIT,  # noqa: F401
-                                  THREADS_ENV, daemon_env as _daemon_env)
+                                  Paths, THREADS_ENV, daemon_env as _daemon_env)
 from ..records import record
 from .devices import Resource
 from .settings import Settings
@@ -49,7 +49,7 @@ MARKER_LIMIT = 4096
 
 
 @record
-class Share:
+class Share(Paths):
     """One GPU shared by MPS: its daemon's directories and the limits its clients get."""
 
     resource: str             # the advertised resource (nvidia.com/gpu, nvidia.com/gpu.shared)
@@ -62,20 +62,8 @@ class Share:
     directory: str            # <mps-root>/<resource>/<uuid>
 
     @property
-    def pipe(self) -> str:
-        return f"{self.directory}/pipe"
-
-    @property
-    def log(self) -> str:
-        return f"{self.directory}/log"
-
-    @property
     def ready(self) -> str:
         return f"{self.directory}/{READY}"
-
-    @property
-    def control(self) -> str:
-        return f"{self.pipe}/{CONTROL}"
 
     @property
     def name(self) -> str:

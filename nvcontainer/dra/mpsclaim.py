@@ -33,7 +33,7 @@ CONTAINER_PIPE = "/tmp/nvidia-mps"
 
 
 @record
-class Plan:
+class Plan(mpscontrol.Paths):
     state_dir: str
     uid: str
     uuids: tuple[str, ...]                  # what the daemon sees, in order
@@ -43,10 +43,6 @@ class Plan:
     @property
     def directory(self) -> str:
         return directory(self.state_dir, self.uid)
-
-    @property
-    def pipe(self) -> str:
-        return f"{self.directory}/pipe"
 
 
 def directory(state_dir: str, uid: str) -> str:

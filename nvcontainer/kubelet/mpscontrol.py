@@ -104,16 +104,11 @@ def _first_line(f) -> str:
     return escape(text.splitlines()[0] if text else "no output", 200)
 
 
-class Control:
-    """The daemon of ``directory`` (``pipe/``, ``log/`` under it), seeing ``visible`` (the
-    ``CUDA_VISIBLE_DEVICES`` it is started with); ``name`` is how lines about it say it."""
+class Paths:
+    """A daemon's files under its ``directory`` (an attribute or property of the class that
+    mixes this in): one layout for every daemon we start."""
 
-    def __init__(self, name: str, directory: str, visible: str, binary: str, deadline: float):
-        self.name = name
-        self.directory = directory
-        self.visible = visible
-        self.binary = binary
-        self.deadline = deadline
+    directory: str
 
     @property
     def pipe(self) -> str:
@@ -126,6 +121,18 @@ class Control:
     @property
     def control(self) -> str:
         return f"{self.pipe}/{CONTROL}"
+
+
+class Control(Paths):
+    """The daemon of ``directory`` (``pipe/``, ``log/`` under it), seeing ``visible`` (the
+    ``CUDA_VISIBLE_DEVICES`` it is started with); ``name`` is how lines about it say it."""
+
+    def __init__(self, name: str, directory: str, visible: str, binary: str, deadline: float):
+        self.name = name
+        self.directory = directory
+        self.visible = visible
+        self.binary = binary
+        self.deadline = deadline
 
     def env(self) -> dict[str, str]:
         return daemon_env(self.directory, self.visible)
