@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -324,3 +326,39 @@ def test_time_slicing_runs_the_drivers_nvidia_smi(machine, tmp_path, server):
     trace = (node.base / "debug.log").read_text()
     assert f"time-slice of {uuid} set to Long for claim default/sliced" in trace
     assert "not reset" not in trace
+
+
+def test_an_mps_claim_s_daemon_outlives_a_plugin_restart_and_goes_with_unprepare(machine, tmp_path, server):
+    from tests.test_deviceplugin_mps import has, record, told
+
+    for path in (machine.mps_record, Path(f"{machine.mps_record}.state")):
+        path.unlink(missing_ok=True)
+    node = Node(tmp_path)
+    config = {"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": API, "kind": "GpuConfig", "sharing": {"strategy": "MPS", "mpsConfig": {
+            "defaultActiveThreadPercentage": 25}}}}}
+    claim = put(server, "mps", ["gpu-1"], configs=[config])
+    uuid = next(g["uuid"] for g in machine.description()["gpus"] if g["index"] == 1)
+    here = node.plugins / DRIVER / "mps" / claim[2]
+    started = lambda: [pid for kind, pid, _ in record(machine) if kind == "start"]   # noqa: E731
+    try:
+        with driver(machine, node, server) as (kubelet, _):
+            assert kubelet.prepare(claim)[claim[2]][0] == ""
+            [pid] = started()
+            env = [text for kind, p, text in record(machine) if kind == "env" and p == pid]
+            assert f"CUDA_VISIBLE_DEVICES={uuid}" in env and f"CUDA_MPS_PIPE_DIRECTORY={here}/pipe" in env
+            assert told(machine, pid, has("set_default_active_thread_percentage 25")) == [
+                "set_default_active_thread_percentage 25"]
+            spec = store.read_spec(str(node.cdi / claimspec.file_name(claim[2]))).spec
+            assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in spec["containerEdits"]["env"]
+        assert (here / "pipe" / "control").is_fifo()          # the plugin stopped; the daemon did not
+        with driver(machine, node, server) as (kubelet, _):
+            assert kubelet.prepare(claim)[claim[2]][0] == ""
+            assert started() == [pid]                          # re-adopted, not started again
+            assert kubelet.unprepare(claim) == {claim[2]: ""}
+        assert told(machine, pid, has("quit"))[-1] == "quit"
+        assert not (node.plugins / DRIVER / "mps").exists() and node.specs() == []
+    finally:
+        for pid in started():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,7 @@ from nvcontainer.dra.prepare import Preparer
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build
 from tests.fixtures.fakegpu import FakeSpec
+from tests.test_deviceplugin_mps import has, record, told
 
 HOOK = "/usr/local/bin/nvcontainer-hook"
 NODE = "node-a"
@@ -62,8 +65,12 @@ def table_of(inv) -> dict:
 
 
 @pytest.fixture(scope="module")
-def inv(fake_machine_factory):
-    machine = fake_machine_factory(FakeSpec(gpus=2))
+def machine(fake_machine_factory):
+    return fake_machine_factory(FakeSpec(gpus=2))
+
+
+@pytest.fixture(scope="module")
+def inv(machine):
     return build(str(machine.root), proc=str(machine.proc))
 
 
@@ -251,3 +258,80 @@ def test_a_time_slice_that_cannot_be_set_fails_the_prepare(inv, dirs):
     with pytest.raises(NvcError, match=f"-i {inv.gpus[0].uuid} --set-timeslice=2: exit status 2"):
         asyncio.run(p.prepare(*source.put(UID1, ["gpu-0"], configs=[time_slicing("Medium")])))
     assert not os.path.exists(dirs[0]) and p.claims == {}
+
+
+def mps(threads=None, limit=None, per=None) -> dict:
+    config = {k: v for k, v in (("defaultActiveThreadPercentage", threads), ("defaultPinnedDeviceMemoryLimit", limit),
+                                ("defaultPerDevicePinnedMemoryLimit", per)) if v is not None}
+    return {"source": "FromClaim", "requests": [], "opaque": {"driver": "gpu.nvidia.com", "parameters": {
+        "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mpsConfig": config}}}}
+
+
+@pytest.fixture
+def fresh_record(machine):
+    state = Path(f"{machine.mps_record}.state")
+    for path in (machine.mps_record, state):
+        path.unlink(missing_ok=True)
+    yield machine.mps_record
+    state.unlink(missing_ok=True)
+
+
+def daemons(machine) -> list[int]:
+    return [pid for kind, pid, _ in record(machine) if kind == "start"] if machine.mps_record.exists() else []
+
+
+def test_an_mps_claim_gets_its_own_daemon_reached_through_its_spec(machine, inv, dirs, fresh_record):
+    source = Claims()
+    claim = source.put(UID1, ["gpu-0", "gpu-1"], configs=[mps(threads=40, limit="1Gi", per={"1": "2Gi"})])
+    lines = []
+    p = preparer(inv, dirs, source, lines)
+    asyncio.run(p.prepare(*claim))
+    here = os.path.join(dirs[1], "mps", UID1)
+    [pid] = daemons(machine)
+    env = dict(text.split("=", 1) for kind, p_, text in record(machine) if kind == "env" and p_ == pid)
+    assert env == {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "CUDA_MPS_PIPE_DIRECTORY": f"{here}/pipe",
+                   "CUDA_MPS_LOG_DIRECTORY": f"{here}/log",
+                   "CUDA_VISIBLE_DEVICES": f"{inv.gpus[0].uuid},{inv.gpus[1].uuid}"}
+    threads = "set_default_active_thread_percentage 40"
+    assert told(machine, pid, has(threads)) == ["set_default_device_pinned_mem_limit 0 1024M",
+                                               "set_default_device_pinned_mem_limit 1 2048M", threads]
+    edits = spec_of(dirs, UID1)["containerEdits"]
+    assert {"CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1024M,1=2048M"} <= set(edits["env"])
+    assert {"hostPath": f"{here}/pipe", "containerPath": "/tmp/nvidia-mps",
+            "options": ["rbind", "rprivate"]} in edits["mounts"]
+    assert [m["containerPath"] for m in edits["mounts"]].count("/tmp/nvidia-mps") == 1   # not the host's
+    assert not lines
+    # a restarted plugin keeps the daemon that answers; one that died is started again
+    again = preparer(inv, dirs, source)
+    asyncio.run(again.prepare(*claim))
+    assert daemons(machine) == [pid]
+    os.kill(pid, signal.SIGKILL)
+    asyncio.run(again.prepare(*claim))
+    [_, second] = daemons(machine)
+    assert told(machine, second, has(threads))[-1] == threads
+    assert source.calls == 1
+    asyncio.run(again.unprepare(*claim))
+    assert told(machine, second, has("quit"))[-1] == "quit"
+    assert [p_ for kind, p_, _ in record(machine) if kind == "quit"] == [second]
+    assert not os.path.exists(os.path.join(dirs[1], "mps")) and os.listdir(dirs[0]) == []
+
+
+def test_a_claim_without_mps_starts_no_daemon(inv, dirs, machine, fresh_record):
+    source = Claims()
+    asyncio.run(preparer(inv, dirs, source).prepare(*source.put(UID1, ["gpu-0"])))
+    assert daemons(machine) == [] and not os.path.exists(os.path.join(dirs[1], "mps"))
+    assert not any(e.startswith("CUDA_MPS") for e in spec_of(dirs, UID1)["containerEdits"].get("env", []))
+
+
+def test_an_mps_daemon_that_does_not_start_fails_the_prepare_with_nothing_left(machine, inv, dirs, fresh_record):
+    Path(f"{machine.mps_record}.state").write_text("fail_start\n")
+    source = Claims()
+    p = preparer(inv, dirs, source)
+    with pytest.raises(NvcError, match="claim ns/c: its MPS daemon did not start: nvidia-cuda-mps-control -d "
+                                       "failed") as err:
+        asyncio.run(p.prepare(*source.put(UID1, ["gpu-0"], configs=[mps(threads=50)])))
+    assert "\n" not in str(err.value)
+    assert p.claims == {} and not os.path.exists(os.path.join(dirs[0]))       # no spec
+    assert sorted(os.listdir(dirs[1])) == []           # no daemon directory, no checkpoint written

@@ -35,27 +35,21 @@ from __future__ import annotations
 import json
 
 from ..errors import NvcError, escape
+from ..kubelet.mpscontrol import (BINARY as CONTROL_BINARY, CONTROL, MEMORY_ENV, PIPE_ENV, PROBE, QUIT,  # noqa: F401
+                                  Paths, THREADS_ENV, daemon_env as _daemon_env)
 from ..records import record
 from .devices import Resource
 from .settings import Settings
 
 CONTAINER_ROOT = "/mps"          # where a container sees its GPU's pipe directory (as upstream)
 CONTAINER_SHM = "/dev/shm"
-CONTROL = "control"              # the control daemon's named pipe in the pipe directory
 READY = ".ready"
 SHM = "shm"
-PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
-LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
-THREADS_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-MEMORY_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
-CONTROL_BINARY = "nvidia-cuda-mps-control"
-PROBE = "get_default_active_thread_percentage"
-QUIT = "quit"
 MARKER_LIMIT = 4096
 
 
 @record
-class Share:
+class Share(Paths):
     """One GPU shared by MPS: its daemon's directories and the limits its clients get."""
 
     resource: str             # the advertised resource (nvidia.com/gpu, nvidia.com/gpu.shared)
@@ -68,20 +62,8 @@ class Share:
     directory: str            # <mps-root>/<resource>/<uuid>
 
     @property
-    def pipe(self) -> str:
-        return f"{self.directory}/pipe"
-
-    @property
-    def log(self) -> str:
-        return f"{self.directory}/log"
-
-    @property
     def ready(self) -> str:
         return f"{self.directory}/{READY}"
-
-    @property
-    def control(self) -> str:
-        return f"{self.pipe}/{CONTROL}"
 
     @property
     def name(self) -> str:
@@ -151,8 +133,7 @@ def commands(share: Share) -> tuple[str, ...]:
 
 def daemon_env(share: Share) -> dict[str, str]:
     """The control daemon's whole environment: nothing inherited."""
-    return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", PIPE_ENV: share.pipe, LOG_ENV: share.log,
-            "CUDA_VISIBLE_DEVICES": share.uuid}
+    return _daemon_env(share.directory, share.uuid)
 
 
 def client_pipe(share: Share) -> str:

@@ -19,139 +19,44 @@ from __future__ import annotations
 
 import os
 import select
-import shutil
 import signal
-import stat
-import subprocess
-import tempfile
-import time
 
-from .. import log
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
+from ..kubelet import mpscontrol
+from ..kubelet.mpscontrol import control_binary, owned_dir as _owned_dir, write_atomic
 from ..kubelet.report import Reporter
 from . import devices, mps, settings as settings_module
-from .mpshealth import is_pipe
 
 DEFAULT_INTERVAL = 5.0
-OUTPUT_LIMIT = 4096
 SHM_FALLBACK_KIB = 65536
 
 
-def control_binary(inv) -> str:
-    """The host path of the driver's ``nvidia-cuda-mps-control``, checked, or an error."""
-    found = next((b for b in inv.binaries if b.name == mps.CONTROL_BINARY), None)
-    if found is None:
-        raise NvcError("driver", f"no {mps.CONTROL_BINARY} in the driver's files (the inventory of "
-                                 f"{escape(inv.root)}): MPS needs the driver's compute utilities")
-    path = os.path.join(inv.root, found.path.lstrip("/"))
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        raise NvcError("driver", f"{escape(path)}: {exc.strerror.lower()}") from None
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
-        raise NvcError("driver", f"{escape(path)}: not a regular file that only root can change; "
-                                 "refusing to run it")
-    return path
-
-
-def _owned_dir(path: str, mode: int = 0o755) -> None:
-    """``path`` a directory of ours (made if missing), never a symbolic link."""
-    try:
-        os.makedirs(path, mode, exist_ok=True)
-        st = os.lstat(path)
-    except OSError as exc:
-        raise NvcError("input", f"cannot make {escape(path)}: {exc.strerror.lower()}") from None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise NvcError("input", f"{escape(path)} is not a directory of ours (a link, or another owner)")
-    os.chmod(path, mode)
-
-
-def write_atomic(path: str, text: str) -> None:
-    directory, name = os.path.split(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fchmod(f.fileno(), 0o644)
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def _first_line(f) -> str:
-    f.seek(0)
-    data, _ = read_at_most(f.fileno(), OUTPUT_LIMIT)
-    text = data.decode("utf-8", "replace").strip()
-    return escape(text.splitlines()[0] if text else "no output", 200)
-
-
 class Daemon:
-    """One GPU's control daemon, as :mod:`.mps` describes it."""
+    """One GPU's control daemon, as :mod:`.mps` describes it, run by the shared
+    :class:`~nvcontainer.kubelet.mpscontrol.Control`, with a readiness marker of its own."""
 
     def __init__(self, share: mps.Share, binary: str, deadline: float):
         self.share = share
-        self.binary = binary
-        self.deadline = deadline
-
-    def _run(self, args: list[str], stdin: str | None) -> tuple[int, str]:
-        with tempfile.TemporaryFile() as out:
-            try:
-                # the daemon forked by -d keeps what it inherits: a file, not a pipe, so we
-                # never wait for its end
-                proc = subprocess.run([self.binary, *args], input=stdin.encode() if stdin is not None else None,
-                                      stdin=subprocess.DEVNULL if stdin is None else None, stdout=out,
-                                      stderr=out, env=mps.daemon_env(self.share), cwd="/",
-                                      timeout=self.deadline, close_fds=True)
-            except subprocess.TimeoutExpired:
-                return -1, f"no answer in {self.deadline:g} s"
-            except OSError as exc:
-                return -1, escape(exc.strerror or str(exc))
-            return proc.returncode, _first_line(out)
+        self.control = mpscontrol.Control(share.name, share.directory, share.uuid, binary, deadline)
 
     def tell(self, command: str) -> str:
         """'' when the daemon took ``command``, else why not."""
-        rc, said = self._run([], command + "\n")
-        log.info(f"{self.share.name}: {command!r} -> {rc} {said}")
-        return "" if rc == 0 else f"'{command}' failed ({said})"
+        return self.control.tell(command)
 
     def start(self) -> str:
         """Start and set up the daemon; '' when it is ready (marker written), else why not."""
-        share = self.share
         self.unready()
-        if is_pipe(share.control):
-            self.tell(mps.QUIT)      # a daemon left by an earlier run: not left orphaned
-        self.clear()
-        _owned_dir(share.pipe)
-        _owned_dir(share.log)
-        rc, said = self._run(["-d"], None)
-        if rc != 0:
-            return f"{mps.CONTROL_BINARY} -d failed ({said})"
-        end = time.monotonic() + self.deadline
-        while not is_pipe(share.control):
-            if time.monotonic() > end:
-                return f"no control pipe {escape(share.control)} after {self.deadline:g} s"
-            time.sleep(0.02)
-        for command in mps.commands(share):
-            why = self.tell(command)
-            if why:
-                return why
-        write_atomic(share.ready, mps.marker(share))
-        return ""
+        why = self.control.start(mps.commands(self.share))
+        if not why:
+            write_atomic(self.share.ready, mps.marker(self.share))
+        return why
 
     def alive(self) -> str:
         """'' while the daemon answers and its files are in place, else why not."""
         if not os.path.exists(self.share.ready):
             return "its marker was removed"
-        if not is_pipe(self.share.control):
-            return "its control pipe was removed"
-        return self.tell(mps.PROBE)
+        return self.control.answers()
 
     def unready(self) -> None:
         try:
@@ -162,8 +67,7 @@ class Daemon:
     def stop(self) -> str:
         """Tell the daemon to quit and remove its directory; '' or why quitting failed."""
         self.unready()
-        why = self.tell(mps.QUIT) if is_pipe(self.share.control) else ""
-        self.clear()
+        why = self.control.stop()
         parent = os.path.dirname(self.share.directory)
         for _ in range(self.share.resource.count("/") + 1):     # nvidia.com/gpu: two levels
             try:
@@ -174,11 +78,7 @@ class Daemon:
         return why
 
     def clear(self) -> None:
-        """Remove this GPU's directory (rmtree unlinks links inside, never follows them; a link
-        in the directory's place is unlinked, so nothing is made through it)."""
-        if os.path.islink(self.share.directory):
-            os.unlink(self.share.directory)
-        shutil.rmtree(self.share.directory, ignore_errors=True)
+        self.control.clear()
 
 
 def shm_size_kib(meminfo: str) -> int:

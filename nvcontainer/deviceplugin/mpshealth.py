@@ -13,20 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import stat
 
 from ..errors import escape
 from ..fs.bounded import read_at_most
+from ..kubelet.mpscontrol import is_pipe
 from . import mps
 
 POLL = 1.0
-
-
-def is_pipe(path: str) -> bool:
-    try:
-        return stat.S_ISFIFO(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def read_marker(path: str) -> str | None:

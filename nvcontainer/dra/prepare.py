@@ -17,7 +17,12 @@ blocks for ever.
 
 Sharing settings are checked (:mod:`opaque`) and recorded with the claim; a time-slice interval
 is set on the claim's GPUs before its spec is written, and reset when the last claim that set
-it is unprepared (:mod:`sharing`); MPS settings are recorded only (no MPS daemon per claim yet).
+it is unprepared (:mod:`sharing`). A claim that asks MPS gets its own MPS control daemon
+(:mod:`mpsclaim`), started and told its limits before its spec (which mounts the daemon's pipe
+directory) is written: a daemon that does not start fails the prepare with nothing left (no
+daemon directory, no spec, no checkpoint entry). A repeated prepare keeps a daemon that answers
+and starts one that does not (a plugin restarted after the daemon died); unprepare tells it to
+quit and removes its directory.
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ import time
 from ..cdi import generate, store
 from .. import log
 from ..errors import NvcError, escape
-from . import checkpoint, claims, claimspec, sharing
+from ..kubelet import mpscontrol
+from . import checkpoint, claims, claimspec, mpsclaim, sharing
 
 KUBELET_TIMEOUT = 45.0      # the kubelet's default for a DRA call
 MARGIN = 2.0                # answered this long before the caller's deadline
+MPS_DEADLINE = 10.0         # for each call of nvidia-cuda-mps-control
 
 
 class Preparer:
@@ -55,6 +62,7 @@ class Preparer:
         self.bad: dict[str, str] = {}
         self.unhealthy = unhealthy or (lambda: self.bad)
         self.run = run or sharing.run            # one nvidia-smi call (the tests record them)
+        self.mps_deadline = MPS_DEADLINE
         self.locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self.saving = asyncio.Lock()
         os.makedirs(state_dir, mode=0o700, exist_ok=True)
@@ -90,6 +98,7 @@ class Preparer:
             entry = self.claims.get(uid)
             path = os.path.join(self.cdi_root, claimspec.file_name(uid))
             if entry is not None and (not entry["devices"] or os.path.exists(path)):
+                await asyncio.to_thread(self._mps_start, entry)       # kept when it answers
                 return entry["devices"]     # prepared before (a claim of no device here has no spec)
             label = f"{escape(namespace, 80)}/{escape(name, 120)}"
             try:
@@ -115,16 +124,44 @@ class Preparer:
                     "shareID": u.share_id} for u in claim.units]
         entry = {"namespace": claim.namespace, "name": claim.name, "uid": claim.uid, "devices": devices,
                  "spec": claimspec.file_name(claim.uid)}
-        self._time_slices(sharing.wanted(claim.units), claim.label)
-        if claim.units:
-            spec = claimspec.build(self.inv, claim, self.opts)
-            text = claimspec.render(spec, entry, self.inv.driver_version)
-            store.write_atomic(os.path.join(self.cdi_root, entry["spec"]), text)
-        for unit in claim.units:
-            if unit.sharing.strategy == "MPS":
-                self.say(f"claim {escape(claim.label, 200)}: {unit.device} MPS settings recorded (no MPS daemon is "
-                         "started by nvcontainer yet)")
+        plan = self._mps_start(entry)
+        try:
+            self._time_slices(sharing.wanted(claim.units), claim.label)
+            if claim.units:
+                spec = claimspec.build(self.inv, claim, self.opts)
+                if plan is not None:
+                    spec = mpsclaim.reaching(spec, plan)
+                text = claimspec.render(spec, entry, self.inv.driver_version)
+                store.write_atomic(os.path.join(self.cdi_root, entry["spec"]), text)
+        except BaseException:
+            if plan is not None:
+                self._mps_stop(entry)
+            raise
         return entry
+
+    def _mps_start(self, entry: dict):
+        """The claim's MPS daemon running (kept when it answers), or None when it asks no MPS."""
+        label = f"{entry['namespace']}/{entry['name']}"
+        plan = mpsclaim.plan(self.state_dir, entry["uid"], entry["devices"], label)
+        if plan is None:
+            return None
+        try:
+            binary = mpscontrol.control_binary(self.inv)
+        except NvcError as exc:
+            raise NvcError("device", f"claim {escape(label, 200)}: MPS asked: {exc.detail}") from None
+        mpsclaim.start(plan, binary, self.mps_deadline, label)
+        return plan
+
+    def _mps_stop(self, entry: dict) -> None:
+        """The claim's daemon told to quit and its directory removed; a failure is said."""
+        try:
+            binary = mpscontrol.control_binary(self.inv)
+        except NvcError:
+            binary = None
+        label = f"{entry['namespace']}/{entry['name']}"
+        why = mpsclaim.stop(self.state_dir, entry["uid"], binary, self.mps_deadline, label)
+        if why:
+            self.say(f"MPS daemon of claim {escape(label, 200)}: {why}; its directory is removed")
 
     def _time_slices(self, intervals: dict[str, str], label: str) -> None:
         """Set each GPU's time-slice (NvcError naming the GPU when nvidia-smi fails)."""
@@ -167,6 +204,8 @@ class Preparer:
                 pass
             except OSError as exc:
                 raise NvcError("cdi", f"cannot remove {escape(path)}: {exc.strerror.lower()}") from None
+            known = self.claims.get(uid) or {"namespace": namespace, "name": name, "uid": uid}
+            await asyncio.to_thread(self._mps_stop, known)
             if uid in self.claims:
                 await asyncio.to_thread(self._reset_time_slices, self.claims[uid])
                 async with self.saving:

@@ -1,0 +1,198 @@
+"""One NVIDIA MPS control daemon: started in a directory of ours with an environment built from
+nothing, told commands, asked whether it answers, told to quit, its directory removed.
+
+Why here, below both kubelet plugins: ``nvcontainer mps-daemon`` (the device plugin's side, one
+daemon per shared GPU) and ``nvcontainer dra-driver`` (one daemon per prepared claim that asks
+MPS) start the same program the same way; what differs is only which GPUs a daemon sees, where
+its directory is and what it is told, which each decides for itself (``deviceplugin/mps.py``,
+``dra/mpsclaim.py``).
+
+What runs with our privileges is the driver's own ``nvidia-cuda-mps-control`` as the inventory
+found it (never a binary from an image or from PATH), checked to be a regular file that only
+root can change, with ``/`` as its directory. Its output goes to a file, not a pipe: the daemon
+forked by ``-d`` keeps what it inherits, and we never wait for its end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import time
+
+from .. import log
+from ..errors import NvcError, escape
+from ..fs.bounded import read_at_most
+
+BINARY = "nvidia-cuda-mps-control"
+PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+THREADS_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+MEMORY_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+CONTROL = "control"              # the control daemon's named pipe in the pipe directory
+PROBE = "get_default_active_thread_percentage"
+QUIT = "quit"
+OUTPUT_LIMIT = 4096
+
+
+def control_binary(inv) -> str:
+    """The host path of the driver's ``nvidia-cuda-mps-control``, checked, or an error."""
+    found = next((b for b in inv.binaries if b.name == BINARY), None)
+    if found is None:
+        raise NvcError("driver", f"no {BINARY} in the driver's files (the inventory of "
+                                 f"{escape(inv.root)}): MPS needs the driver's compute utilities")
+    path = os.path.join(inv.root, found.path.lstrip("/"))
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise NvcError("driver", f"{escape(path)}: {exc.strerror.lower()}") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise NvcError("driver", f"{escape(path)}: not a regular file that only root can change; "
+                                 "refusing to run it")
+    return path
+
+
+def is_pipe(path: str) -> bool:
+    try:
+        return stat.S_ISFIFO(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def daemon_env(directory: str, visible: str) -> dict[str, str]:
+    """The whole environment of the daemon of ``directory``: nothing inherited."""
+    return {"PATH": PATH, PIPE_ENV: f"{directory}/pipe", LOG_ENV: f"{directory}/log", "CUDA_VISIBLE_DEVICES": visible}
+
+
+def owned_dir(path: str, mode: int = 0o755) -> None:
+    """``path`` a directory of ours (made if missing), never a symbolic link."""
+    try:
+        os.makedirs(path, mode, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as exc:
+        raise NvcError("input", f"cannot make {escape(path)}: {exc.strerror.lower()}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise NvcError("input", f"{escape(path)} is not a directory of ours (a link, or another owner)")
+    os.chmod(path, mode)
+
+
+def write_atomic(path: str, text: str) -> None:
+    directory, name = os.path.split(path)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), 0o644)
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _first_line(f) -> str:
+    f.seek(0)
+    data, _ = read_at_most(f.fileno(), OUTPUT_LIMIT)
+    text = data.decode("utf-8", "replace").strip()
+    return escape(text.splitlines()[0] if text else "no output", 200)
+
+
+class Paths:
+    """A daemon's files under its ``directory`` (an attribute or property of the class that
+    mixes this in): one layout for every daemon we start."""
+
+    directory: str
+
+    @property
+    def pipe(self) -> str:
+        return f"{self.directory}/pipe"
+
+    @property
+    def log(self) -> str:
+        return f"{self.directory}/log"
+
+    @property
+    def control(self) -> str:
+        return f"{self.pipe}/{CONTROL}"
+
+
+class Control(Paths):
+    """The daemon of ``directory`` (``pipe/``, ``log/`` under it), seeing ``visible`` (the
+    ``CUDA_VISIBLE_DEVICES`` it is started with); ``name`` is how lines about it say it."""
+
+    def __init__(self, name: str, directory: str, visible: str, binary: str, deadline: float):
+        self.name = name
+        self.directory = directory
+        self.visible = visible
+        self.binary = binary
+        self.deadline = deadline
+
+    def env(self) -> dict[str, str]:
+        return daemon_env(self.directory, self.visible)
+
+    def _run(self, args: list[str], stdin: str | None) -> tuple[int, str]:
+        with tempfile.TemporaryFile() as out:
+            try:
+                proc = subprocess.run([self.binary, *args], input=stdin.encode() if stdin is not None else None,
+                                      stdin=subprocess.DEVNULL if stdin is None else None, stdout=out,
+                                      stderr=out, env=self.env(), cwd="/", timeout=self.deadline, close_fds=True)
+            except subprocess.TimeoutExpired:
+                return -1, f"no answer in {self.deadline:g} s"
+            except OSError as exc:
+                return -1, escape(exc.strerror or str(exc))
+            return proc.returncode, _first_line(out)
+
+    def tell(self, command: str) -> str:
+        """'' when the daemon took ``command``, else why not."""
+        rc, said = self._run([], command + "\n")
+        log.info(f"{self.name}: {command!r} -> {rc} {said}")
+        return "" if rc == 0 else f"'{command}' failed ({said})"
+
+    def start(self, commands) -> str:
+        """A fresh daemon, told ``commands``; '' when it took them all, else why not. A daemon
+        left in the directory by an earlier run is told to quit first, not left orphaned."""
+        if is_pipe(self.control):
+            self.tell(QUIT)
+        self.clear()
+        owned_dir(self.directory)
+        owned_dir(self.pipe)
+        owned_dir(self.log)
+        rc, said = self._run(["-d"], None)
+        if rc != 0:
+            return f"{BINARY} -d failed ({said})"
+        end = time.monotonic() + self.deadline
+        while not is_pipe(self.control):
+            if time.monotonic() > end:
+                return f"no control pipe {escape(self.control)} after {self.deadline:g} s"
+            time.sleep(0.02)
+        for command in commands:
+            why = self.tell(command)
+            if why:
+                return why
+        return ""
+
+    def answers(self) -> str:
+        """'' while the daemon's pipe is there and it answers a harmless question, else why not."""
+        if not is_pipe(self.control):
+            return "its control pipe was removed"
+        return self.tell(PROBE)
+
+    def stop(self) -> str:
+        """Tell the daemon to quit and remove its directory; '' or why quitting failed."""
+        why = self.tell(QUIT) if is_pipe(self.control) else ""
+        self.clear()
+        return why
+
+    def clear(self) -> None:
+        """Remove the directory (rmtree unlinks links inside, never follows them; a link in the
+        directory's place is unlinked, so nothing is made through it)."""
+        if os.path.islink(self.directory):
+            os.unlink(self.directory)
+        shutil.rmtree(self.directory, ignore_errors=True)
