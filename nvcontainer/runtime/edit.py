@@ -122,16 +122,14 @@ def _leased(asked: cdinames.Asked, config: Config, world: World) -> cdinames.Ask
     """``<default-kind>=free:N`` asked: the names of the N GPUs leased for it (by index, as
     ``nvcontainer cdi generate`` names them); None when nothing free is asked."""
     parts = [name.split("=", 1) for name in asked.names]
-    if not any(free.is_free(device) for _, device in parts):
+    wanted = free.parse([device for _, device in parts], asked.source)   # the hook's reading of the form
+    if wanted is None:
         return None
-    if len(parts) > 1:
-        raise NvcError("device", f"{asked.source}: '{escape(','.join(asked.names), 80)}': 'free' cannot be "
-                                 "mixed with other devices")
-    kind, device = parts[0]
+    kind = parts[0][0]
     if kind != config.cdi_default_kind:
         raise NvcError("cdi", f"{asked.source}: {escape(asked.names[0], 80)}: free GPUs are leased as "
                               f"{config.cdi_default_kind} devices")
-    count = free.count_of(device, asked.source)
+    count = free.asked(wanted)
     indexes = world.lease(count, f"free:{count}")
     return cdinames.Asked(tuple(f"{kind}={i}" for i in indexes), asked.source, asked.warnings)
 
