@@ -158,8 +158,10 @@ def test_dockerd_with_nvidia_as_the_default_runtime(machine, node, tmp_path):
     ], etc=node / "etc", served=True)
     context = f"{res.stderr}\n{dockerd.log(base)}"
     assert len(results) == 3, context
-    # served: the hook the shim added is the native client, and nvcontainer serve did the work
-    assert "request declined" not in (base / "serve.log").read_text()
+    # served: the shim's spec edit of each GPU container (the front answers the third alone), and
+    # the hook the shim added is the native client, and nvcontainer serve did the work
+    served = (base / "serve.log").read_text()
+    assert "request declined" not in served and served.count("runtime request from pid ") == 2, served
     assert "(served by nvcontainer serve, pid " in (node / "hook.log").read_text()
     assert_gpu0(*results[0], context)
     assert results[1] == (0, f"cat: can't open '/dev/nvidia1': {ENXIO}\nZERO:absent"), context

@@ -28,6 +28,7 @@ import sys
 
 SOCKET = "/run/nvcontainer/hook.sock"
 MAGIC = b"NVC1"
+RUNTIME_MAGIC = b"NVR1"   # the runtime shim's front asking for its spec edit (serve/request.py)
 ENV = ("PATH", "CUDA_MPS_PIPE_DIRECTORY")   # what the hook's code reads from its environment
 MAX_REQUEST = 64 << 10
 MAX_FDS = 4
@@ -67,12 +68,12 @@ def encode_request(argv, env, umask):
     return head + b"".join(os.fsencode(s) + b"\0" for s in (*argv, *env))
 
 
-def decode_request(data):
-    """(client pid, umask, argv, env) from :func:`encode_request`'s bytes; ValueError if
-    malformed."""
+def decode_request(data, magic=MAGIC):
+    """(client pid, umask, argv, env) from :func:`encode_request`'s bytes (with ``magic`` as
+    its first word); ValueError if malformed."""
     head, sep, rest = data.partition(b"\n")
     parts = head.split(b" ")
-    if (not sep or len(parts) != 5 or parts[0] != MAGIC
+    if (not sep or len(parts) != 5 or parts[0] != magic
             or not all(p.isascii() and p.isdigit() and len(p) < 10 for p in parts[1:])):
         raise ValueError("bad request header")
     pid, umask, nargs, nenv = (int(p) for p in parts[1:])

@@ -24,13 +24,10 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include "nvc_config.h"
@@ -38,8 +35,6 @@
 
 #define SOCKET_DEFAULT "/run/nvcontainer/hook.sock"
 #define MAX_REQUEST (64 << 10)
-#define REPLY_MAX 4096
-#define REPLY_TIMEOUT_MS (600 * 1000)
 #define PROG "nvcontainer-hook"
 
 static const char *const valued[] = {NVC_VALUED, NULL};
@@ -123,83 +118,26 @@ static void say(const char *path, const char *detail)
 static int forward(int argc, char **argv)
 {
     const char *path = socket_path(argc, argv);
-    struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    if (!*path || strlen(path) >= sizeof addr.sun_path)
-        return -1;
-    strcpy(addr.sun_path, path);
-    int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    if (sock < 0)
-        return -1;
-    if (connect(sock, (struct sockaddr *)&addr, sizeof addr) < 0) {
-        close(sock);
-        return -1;
-    }
-    int cwd = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
-    if (cwd < 0) {
-        close(sock);
-        return -1;
-    }
     mode_t mask = umask(022);
     umask(mask);
     static char request[MAX_REQUEST];
     long size = encode_request(request, argc, argv, mask);
-    if (size < 0) {
-        close(cwd);
-        close(sock);
+    if (size < 0)
         return -1;
-    }
+    int cwd = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (cwd < 0)
+        return -1;
     int fds[4] = {0, 1, 2, cwd};
-    union {
-        char buf[CMSG_SPACE(sizeof fds)];
-        struct cmsghdr align;
-    } control;
-    memset(&control, 0, sizeof control);
-    struct iovec iov = {.iov_base = request, .iov_len = (size_t)size};
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
-                         .msg_controllen = sizeof control.buf};
-    struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
-    cmsg->cmsg_level = SOL_SOCKET;
-    cmsg->cmsg_type = SCM_RIGHTS;
-    cmsg->cmsg_len = CMSG_LEN(sizeof fds);
-    memcpy(CMSG_DATA(cmsg), fds, sizeof fds);
-    ssize_t sent = sendmsg(sock, &msg, MSG_NOSIGNAL);
+    char reply[NVC_REPLY_MAX + 1], failure[128];
+    ssize_t got = nvc_ask(path, request, (size_t)size, fds, reply, failure, sizeof failure);
     close(cwd);
-    if (sent < 0) {
-        close(sock);
-        return -1; /* e.g. a closed stdio fd: the in-process run reports it its own way */
-    }
-
-    char reply[REPLY_MAX + 1];
-    char failure[128] = "no answer";
-    ssize_t got = -1;
-    struct pollfd pfd = {.fd = sock, .events = POLLIN};
-    int ready;
-    do
-        ready = poll(&pfd, 1, REPLY_TIMEOUT_MS);
-    while (ready < 0 && errno == EINTR);
-    if (ready > 0) {
-        do
-            got = recv(sock, reply, REPLY_MAX, 0);
-        while (got < 0 && errno == EINTR);
-    }
-    if (ready == 0)
-        snprintf(failure, sizeof failure, "no answer (timed out)");
-    else if (ready < 0 || got < 0)
-        snprintf(failure, sizeof failure, "no answer (%s)", strerror(errno));
-    close(sock);
     if (got < 0)
-        got = 0;
-    reply[got] = '\0';
-
+        return -1;
     if (got >= 9 && memcmp(reply, "declined ", 9) == 0)
         return -1;
     if (got > 3 && got < 8 && memcmp(reply, "rc ", 3) == 0 && strspn(reply + 3, "0123456789") == (size_t)(got - 3))
         return atoi(reply + 3);
-    int printable = got > 0;
-    for (ssize_t i = 0; i < got; i++)
-        if (reply[i] < 0x20 || reply[i] > 0x7e)
-            printable = 0;
-    say(path, printable ? reply : failure);
+    say(path, nvc_printable(reply, got) ? reply : failure);
     return 1;
 }
 

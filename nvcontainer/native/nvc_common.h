@@ -1,5 +1,6 @@
 /*
- * What the native fronts share (runtime.c, front.c): bounded reads of files we did not write,
+ * What the native fronts share (runtime.c, hookclient.c, front.c): asking `nvcontainer serve`,
+ * bounded reads of files we did not write,
  * and the three keys of the configuration that decide whether a container can be a GPU
  * request at all (runtimes, swarm-resource, annotation-prefixes), read as the Python code
  * reads the configuration file, in their plain one-line forms only: any other spelling makes
@@ -16,7 +17,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #define SAFE_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -58,6 +62,78 @@ static inline const char *nvc_python(char *buf, size_t size)
     *slash = '\0';
     int len = snprintf(buf, size, "%s/python3", self);
     return len > 0 && (size_t)len < size ? buf : NULL;
+}
+
+/* ---- asking nvcontainer serve --------------------------------------------------------------- */
+
+#define NVC_REPLY_MAX 4096
+#define NVC_REPLY_TIMEOUT_MS (600 * 1000)   /* the server bounds every run; this bounds a wedged one */
+
+/* One request to `nvcontainer serve` (hook/client.py's wire format; the caller encodes it) with
+ * four fds, and its answer. Returns -1 when no server took it (nothing listens at path, or the
+ * send failed): the caller then does the work itself. Otherwise the answer's length, the answer
+ * NUL-terminated in reply (NVC_REPLY_MAX + 1 bytes); 0 when none came, with why in failure. */
+static inline ssize_t nvc_ask(const char *path, const char *request, size_t size, const int fds[4],
+                              char *reply, char *failure, size_t failure_size)
+{
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    if (!*path || strlen(path) >= sizeof addr.sun_path)
+        return -1;
+    strcpy(addr.sun_path, path);
+    int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (sock < 0)
+        return -1;
+    if (connect(sock, (struct sockaddr *)&addr, sizeof addr) < 0) {
+        close(sock);
+        return -1;
+    }
+    union {
+        char buf[CMSG_SPACE(4 * sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    memset(&control, 0, sizeof control);
+    struct iovec iov = {.iov_base = (void *)request, .iov_len = size};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(4 * sizeof(int));
+    memcpy(CMSG_DATA(cmsg), fds, 4 * sizeof(int));
+    if (sendmsg(sock, &msg, MSG_NOSIGNAL) < 0) {
+        close(sock);
+        return -1; /* e.g. a closed stdio fd: the caller's own run reports it its own way */
+    }
+    snprintf(failure, failure_size, "no answer");
+    ssize_t got = -1;
+    struct pollfd pfd = {.fd = sock, .events = POLLIN};
+    int ready;
+    do
+        ready = poll(&pfd, 1, NVC_REPLY_TIMEOUT_MS);
+    while (ready < 0 && errno == EINTR);
+    if (ready > 0) {
+        do
+            got = recv(sock, reply, NVC_REPLY_MAX, 0);
+        while (got < 0 && errno == EINTR);
+    }
+    if (ready == 0)
+        snprintf(failure, failure_size, "no answer (timed out)");
+    else if (ready < 0 || got < 0)
+        snprintf(failure, failure_size, "no answer (%s)", strerror(errno));
+    close(sock);
+    if (got < 0)
+        got = 0;
+    reply[got] = '\0';
+    return got;
+}
+
+/* 1 if the answer is printable ASCII (then it may be shown as the server's words). */
+static inline int nvc_printable(const char *reply, ssize_t len)
+{
+    for (ssize_t i = 0; i < len; i++)
+        if (reply[i] < 0x20 || reply[i] > 0x7e)
+            return 0;
+    return len > 0;
 }
 
 /* ---- reading ------------------------------------------------------------------------------ */

@@ -47,6 +47,10 @@
 
 #define SPEC_CAP (16 << 20)
 #define REPLY_FD 3
+#define MAX_REQUEST (64 << 10)   /* hook/client.py's MAX_REQUEST */
+#ifndef NVC_SOCKET
+#define NVC_SOCKET "/run/nvcontainer/hook.sock"
+#endif
 
 /* The same tables as nvcontainer/runtime/argv.py. */
 static const char *const global_valued[] = {"--log", "--log-format", "--root", "--criu", "--rootless",
@@ -180,20 +184,92 @@ static void close_from(int low)
         close((int)fd);
 }
 
-/* The Python shim in a child: clean environment, "/" as cwd, the reply on fd 3. */
-__attribute__((unused)) static int ask_python(int argc, char **argv)
+/* The Python shim's argv (python ... -- ENGINE-ARGS), NULL-terminated; reply_fd: with
+ * --reply-fd 3 (the child below), or without (the server's child answers on its socket). */
+static char **shim_args(int argc, char **argv, const char *python, const char *cwd, int reply_fd)
 {
-    char cwd[PATH_MAX];
-    if (!getcwd(cwd, sizeof cwd)) {
-        say("working directory", strerror(errno));
-        return 1;
+    char **args = calloc((size_t)argc + 16, sizeof *args);
+    if (!args)
+        return NULL;
+    int n = 0;
+    args[n++] = (char *)python;
+    args[n++] = "-I";
+    args[n++] = "-m";
+    args[n++] = "nvcontainer.runtime";
+    args[n++] = "--prog";
+    args[n++] = (char *)prog;
+    if (*NVC_CONFIG) {
+        args[n++] = "--config";
+        args[n++] = (char *)NVC_CONFIG;
     }
-    char buf[PATH_MAX];
-    const char *python = nvc_python(buf, sizeof buf);
-    if (!python) {
-        say("interpreter", "cannot find python3 beside this program");
-        return 1;
+    args[n++] = "--cwd";
+    args[n++] = (char *)cwd;
+    if (reply_fd) {
+        args[n++] = "--reply-fd";
+        args[n++] = "3";
     }
+    args[n++] = "--";
+    for (int i = 1; i < argc; i++)
+        args[n++] = argv[i];
+    return args;
+}
+
+/* The Python shim's work done by `nvcontainer serve` (serve/request.py), which has it imported
+ * and the inventory parsed: the same arguments, after the interpreter's path (the server
+ * declines a front of another install), "/" as working directory, no environment, /dev/null as
+ * stdin and stdout, this program's stderr and umask. -1 when no server took it (then the child
+ * below does the work); else the runtime's exit status, or this program becomes the runtime. */
+__attribute__((unused)) static int ask_server(int argc, char **argv, const char *python, const char *cwd)
+{
+    char **args = shim_args(argc, argv, python, cwd, 0);
+    if (!args)
+        return -1;
+    static char request[MAX_REQUEST];
+    mode_t mask = umask(022);
+    umask(mask);
+    int nargs = 0;
+    while (args[nargs + 4])
+        nargs++;
+    int used = snprintf(request, sizeof request, "NVR1 %d %u %d 0\n", (int)getpid(), (unsigned)mask, nargs + 1);
+    for (int i = -1; i < nargs && used > 0; i++) {
+        const char *word = i < 0 ? python : args[i + 4];
+        size_t len = strlen(word) + 1;
+        if (len > sizeof request - (size_t)used)
+            used = -1;
+        else {
+            memcpy(request + used, word, len);
+            used += (int)len;
+        }
+    }
+    free(args);
+    if (used <= 0)
+        return -1;
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    int root = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    char reply[NVC_REPLY_MAX + 1], failure[128];
+    ssize_t got = -1;
+    if (null >= 0 && root >= 0) {
+        int fds[4] = {null, null, 2, root};
+        got = nvc_ask(NVC_SOCKET, request, (size_t)used, fds, reply, failure, sizeof failure);
+    }
+    if (null >= 0)
+        close(null);
+    if (root >= 0)
+        close(root);
+    if (got < 0 || (got >= 9 && memcmp(reply, "declined ", 9) == 0))
+        return -1;
+    if (got > 3 && got < 8 && memcmp(reply, "rc ", 3) == 0 && strspn(reply + 3, "0123456789") == (size_t)(got - 3))
+        return atoi(reply + 3);
+    if (got > 9 && memcmp(reply, "runtime /", 9) == 0 && nvc_printable(reply, got))
+        return run_runtime(reply + 8, argc, argv);
+    dprintf(2, "%s: runtime error: nvcontainer serve at %s: %s\n", prog, NVC_SOCKET,
+            nvc_printable(reply, got) ? reply : failure);
+    return 1;
+}
+
+/* The Python shim in a child: clean environment, "/" as cwd, the reply on fd 3. */
+__attribute__((unused)) static int ask_python(int argc, char **argv, const char *python, const char *cwd)
+{
     int reply[2];
     if (pipe2(reply, O_CLOEXEC) < 0) {
         say("pipe", strerror(errno));
@@ -217,27 +293,9 @@ __attribute__((unused)) static int ask_python(int argc, char **argv)
         if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || chdir("/") < 0)
             _exit(1);
         close_from(REPLY_FD + 1);
-        char **args = calloc((size_t)argc + 16, sizeof *args);
+        char **args = shim_args(argc, argv, python, cwd, 1);
         if (!args)
             _exit(1);
-        int n = 0;
-        args[n++] = (char *)python;
-        args[n++] = "-I";
-        args[n++] = "-m";
-        args[n++] = "nvcontainer.runtime";
-        args[n++] = "--prog";
-        args[n++] = (char *)prog;
-        if (*NVC_CONFIG) {
-            args[n++] = "--config";
-            args[n++] = (char *)NVC_CONFIG;
-        }
-        args[n++] = "--cwd";
-        args[n++] = cwd;
-        args[n++] = "--reply-fd";
-        args[n++] = "3";
-        args[n++] = "--";
-        for (int i = 1; i < argc; i++)
-            args[n++] = argv[i];
         char *env[] = {"PATH=" SAFE_PATH, NULL};
         execve(python, args, env);
         dprintf(2, "%s: runtime error: cannot run %s: %s\n", prog, python, strerror(errno));
@@ -321,7 +379,19 @@ int main(int argc, char **argv)
         if (runtime)
             return run_runtime(runtime, argc, argv);
     }
-    return ask_python(argc, argv);
+    char cwd[PATH_MAX];
+    if (!getcwd(cwd, sizeof cwd)) {
+        say("working directory", strerror(errno));
+        return 1;
+    }
+    char buf[PATH_MAX];
+    const char *python = nvc_python(buf, sizeof buf);
+    if (!python) {
+        say("interpreter", "cannot find python3 beside this program");
+        return 1;
+    }
+    int status = ask_server(argc, argv, python, cwd);
+    return status >= 0 ? status : ask_python(argc, argv, python, cwd);
 }
 #else
 /* Test driver. `front config`: what the configuration scan understood. `front argv ARGS...`:

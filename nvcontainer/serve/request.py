@@ -6,6 +6,16 @@ client's stdio, working directory, umask and two environment variables wholesale
 code runs exactly as it would have in the client's own process. The checks come first and
 read nothing of the request's content: a client in another mount, PID, cgroup or user
 namespace, under another root or not root is declined, and runs the hook itself.
+
+The runtime shim's front (``native/runtime.c``) asks here too, with its own first word
+(``NVR1``): the spec edit its Python half would make (``runtime/prepare.py``), made by the same
+code in a child that already has it imported and the inventory parsed, about 50 ms sooner per
+GPU container under ``--runtime=nvidia``. The child then runs exactly as that Python half would
+have: the arguments the front would have passed it, "/" as working directory, ``PATH`` the only
+variable, the front's umask and stderr, /dev/null as stdin and stdout (the front sends those).
+It is declined, and the front runs its Python half, when the front belongs to another install
+(its interpreter in another directory: the hook it names, and the code, would differ). The
+answer is the low-level runtime's path, which the front executes, or the exit status.
 """
 
 from __future__ import annotations
@@ -33,15 +43,19 @@ def handle(conn: socket.socket) -> int:
         data, fds = _receive(conn)
     except (OSError, ValueError) as exc:
         return _decline(conn, f"bad request: {exc}")
+    runtime = data.startswith(hookclient.RUNTIME_MAGIC)
     try:
-        claimed, umask, argv, env = hookclient.decode_request(data)
-        reason = _decline_reason(conn, claimed)
+        magic = hookclient.RUNTIME_MAGIC if runtime else hookclient.MAGIC
+        claimed, umask, argv, env = hookclient.decode_request(data, magic)
+        reason = _decline_reason(conn, claimed) or (_runtime_decline(argv, env) if runtime else None)
     except ValueError as exc:
         reason = f"bad request: {exc}"
     if reason:
         for fd in fds:
             os.close(fd)
         return _decline(conn, reason)
+    if runtime:
+        log.info(f"runtime request from pid {claimed}: {' '.join(escape(a) for a in argv[1:])}")
     log.close()   # the server's trace; the hook opens its own (--debug) as it would in-process
     stdin, stdout, stderr, cwd = fds
     # From here on the run is the client's: its stdio, its cwd, its two variables.
@@ -53,6 +67,8 @@ def handle(conn: socket.socket) -> int:
     os.umask(umask)
     os.environ.clear()
     os.environ.update(env)
+    if runtime:
+        return _run_runtime(conn, argv[1:])
     from ..hook import main as hook, prestart
     from ..hook.usage import PROG
 
@@ -70,6 +86,44 @@ def handle(conn: socket.socket) -> int:
     code = _answer(conn, f"rc {status & 0xFF}", code=0)
     _report_pages()
     return code
+
+
+def _runtime_decline(argv: list[str], env: dict) -> str | None:
+    """Why the runtime front's request must go to its own Python half: it is not of this
+    install. ``argv[0]`` is the interpreter the front would run; the rest its arguments."""
+    if env or not argv or not os.path.isabs(argv[0]):
+        return "bad runtime request"
+    if _real_dir(argv[0]) != _real_dir(sys.executable):
+        return f"runtime front of another install ({escape(argv[0])})"
+    return None
+
+
+def _real_dir(program: str) -> str:
+    """The real directory of a program, its name aside: a virtualenv's ``bin/python`` links to
+    the system's interpreter, so the file alone would make every install the same."""
+    return os.path.realpath(os.path.dirname(program))
+
+
+def _run_runtime(conn: socket.socket, argv: list[str]) -> int:
+    """The runtime shim's Python half on the front's arguments; the answer is the runtime to
+    execute (``runtime PATH``) or the exit status (``rc N``), its error line already on the
+    front's stderr. The front sent "/" and a clean environment's one variable."""
+    from ..inventory.catalog import DEFAULT_PATH
+    from ..runtime.prepare import PROG, run
+
+    os.environ["PATH"] = DEFAULT_PATH
+    try:
+        status, runtime = run(argv)
+    except BaseException as exc:   # a bug: one line, as everywhere, and the front still hears
+        os.write(2, f"{PROG}: internal error: {type(exc).__name__}: {escape(exc)}\n".encode())
+        status, runtime = 1, None
+    try:
+        sys.stderr.flush()
+    except OSError:
+        pass
+    if status == 0 and runtime:
+        return _answer(conn, f"runtime {runtime}", code=0)
+    return _answer(conn, f"rc {(status or 1) & 0xFF}", code=0)
 
 
 REPORT_TO: socket.socket | None = None   # the server's: where a request reports what it wrote

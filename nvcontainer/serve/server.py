@@ -74,6 +74,7 @@ def preload() -> None:
     from ..plan import build, container, model  # noqa: F401
     from ..leases import grant, liveness, store  # noqa: F401   (free:N and exclusive-gpus starts)
     from ..request import free, placement  # noqa: F401
+    from ..runtime import argv, bundle, edit, legacy, lowlevel, prepare  # noqa: F401   (the shim's front asks too)
 
     # The hook path's patterns are strings that re compiles on first use (a cold hook matches
     # few of them); compiled here, into re's cache, every child finds them ready.
