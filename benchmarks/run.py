@@ -123,7 +123,7 @@ HOT_MODULES = ("nvcontainer.hook.main, nvcontainer.hook.prestart, nvcontainer.co
 
 
 def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: int, base: Path,
-            parts=PARTS) -> dict:
+            parts=PARTS, anchors: Path = nvidia.TARBALL) -> dict:
     # no decoy CUDA stubs in its ld cache: NVIDIA's cli would load the stub NVML (its loader takes the
     # first cache entry) and fail, and its arm is the yardstick
     fast = ws.machine("fast", FakeSpec(gpus=2, decoys=False))
@@ -155,7 +155,7 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
             # the floor of any prestart hook: runc forking and executing a static program that
             # does nothing (what a container that asks for no GPU cannot get below)
             "empty": ([workspace.empty_hook_entry()], [])}
-    theirs = nvidia.hook_entry(base, fast)
+    theirs = nvidia.hook_entry(base, fast, anchors)
     if theirs is not None:
         arms["nvidia"] = ([theirs], workspace.CONTAINER_ENV)
         arms["nvidia-nogpu"] = ([theirs], [])
@@ -592,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON record")
     parser.add_argument("--keep", action="store_true", help="keep the temporary workspace")
     parser.add_argument("--only", action="append", choices=PARTS, help="run only these parts (repeatable)")
+    parser.add_argument("--anchors", type=Path, default=nvidia.TARBALL,
+                        help="NVIDIA's tools to time beside ours (default: %(default)s; absent: no NVIDIA arm)")
     parser.add_argument("--compare", action="append", default=[], metavar="LABEL=TREE",
                         help="also time the hook of another tree (a directory holding nvcontainer/, or git:REV) "
                              "in the cgroup v1 series")
@@ -607,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         compare = dict(item.split("=", 1) for item in args.compare)
         ws = workspace.create(base, compare)
-        results = collect(ws, args.runs, args.concurrency, args.nvml_delay_ms, base, args.only or PARTS)
+        results = collect(ws, args.runs, args.concurrency, args.nvml_delay_ms, base, args.only or PARTS,
+                          args.anchors)
     finally:
         cleanup_cache(base)
         if not args.keep:
