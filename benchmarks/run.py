@@ -531,7 +531,7 @@ def report(results: dict, facts: dict, runs: int, concurrency: int, nvml_delay: 
             "in-process: the hook run by its own interpreter, as without a server (for comparison)\n"
             + ("WARNING: something listens on /run/nvcontainer/hook.sock: the in-process arms paid its answer\n"
                if facts.get("default_socket_present") else "") + "\n")
-    goals = targets.judge(targets.from_summaries(s, concurrency), real_node=False)
+    goals = targets.judge(targets.from_summaries(s, concurrency, derived["failures"]), real_node=False)
     if served_facts["not_served"] or any(u["died"] for u in served_facts["unclean_stop"].values()):
         goals = targets.invalidate(goals, "INVALID: not served")
     derived["issue27"] = targets.record(goals)

@@ -19,6 +19,8 @@ The figures, milliseconds unless said (None where the run has no such arm):
   process), ``nvidia``, and ``served-nogpu``, ``hook-nogpu``, ``nvidia-nogpu``, ``empty``);
 * ``cpu``: arm -> median CPU of a start minus the no-hook arm's (``served``, ``hook``, ``nvidia``);
 * ``burst``: arm -> p95 of ``at_once`` starts spawned together minus the no-hook burst's p95;
+  ``burst_failed``: arm (``none`` too) -> starts of its burst that failed (a p95 over the rest
+  would flatter it: such a burst is not judged);
 * ``at_once``; ``list_ms`` (``nvcontainer list`` warm, median); ``growth`` (8 GPUs served: the
   overhead of all over that of one; issue 17).
 """
@@ -49,10 +51,10 @@ def _ratio(a, b):
     return None if a is None or b is None or b <= 0 else a / b
 
 
-def from_summaries(s: dict, at_once: int) -> dict:
+def from_summaries(s: dict, at_once: int, failures: dict | None = None) -> dict:
     """The figures of a ``python -m benchmarks`` run: ``s`` maps a series (``v1/served``,
     ``v1/served/cpu``, ``concurrent-served``, ``commands/list``, ...) to its summary
-    (``median``, ``p95``)."""
+    (``median``, ``p95``); ``failures`` a series to its count of failed runs."""
     def med(name):
         return s.get(name, {}).get("median")
 
@@ -62,6 +64,7 @@ def from_summaries(s: dict, at_once: int) -> dict:
     return {"overhead": {arm: _minus(med(f"v1/{arm}"), med("v1/none")) for arm in SINGLE},
             "cpu": {arm: _minus(med(f"v1/{arm}/cpu"), med("v1/none/cpu")) for arm in ARMS},
             "burst": {arm: _minus(p95(f"concurrent-{arm}"), p95("concurrent-none")) for arm in ARMS},
+            "burst_failed": {arm: (failures or {}).get(f"concurrent-{arm}", 0) for arm in ("none", *ARMS)},
             "at_once": at_once, "list_ms": med("commands/list"),
             "growth": _ratio(_minus(med("growth/all"), med("growth/none")),
                              _minus(med("growth/one"), med("growth/none")))}
@@ -75,6 +78,8 @@ def from_realgpu(report: dict) -> dict:
     return {"overhead": {arm: single.get(arm, {}).get("over_none") for arm in SINGLE},
             "cpu": {arm: single.get(arm, {}).get("cpu_over_none") for arm in ARMS},
             "burst": {arm: burst.get("summary", {}).get(arm, {}).get("p95_added") for arm in ARMS},
+            "burst_failed": {arm: len(burst.get("samples", {}).get(arm, {}).get("failed", []))
+                             for arm in ("none", *ARMS)},
             "at_once": burst.get("at_once"), "list_ms": None, "growth": None}
 
 
@@ -93,8 +98,12 @@ def _against_nvidia(ours, theirs, limits: tuple, real_node: bool):
     return value, text, (NEEDS_GPU if limit is None else value <= limit)
 
 
-def _burst_verdict(verdict, at_once):
-    if isinstance(verdict, bool) and at_once != BURST_SIZE:
+def _burst_verdict(verdict, at_once, failed: dict):
+    if not isinstance(verdict, bool):
+        return verdict
+    if any(failed.values()):
+        return "not judged: failed starts " + ", ".join(f"{arm} {n}" for arm, n in failed.items() if n)
+    if at_once != BURST_SIZE:
         return f"n/a: {at_once} at once, the limit is for {BURST_SIZE}"
     return verdict
 
@@ -105,10 +114,11 @@ def judge(fig: dict, real_node: bool) -> list[tuple]:
     over, cpu, burst, at_once = fig["overhead"], fig["cpu"], fig["burst"], fig.get("at_once")
     rows = []
 
-    def against(target, label, ours, theirs, limits):
+    def against(target, label, ours, theirs, limits, arm=None):
         value, text, verdict = _against_nvidia(ours, theirs, limits, real_node)
         if target == "3":
-            verdict = _burst_verdict(verdict, at_once)
+            failed = fig.get("burst_failed", {})
+            verdict = _burst_verdict(verdict, at_once, {arm: failed.get(arm, 0) for arm in ("none", arm, "nvidia")})
         rows.append((target, label, value, "x", text, verdict))
 
     def figure(label, value, unit="ms"):
@@ -124,9 +134,10 @@ def judge(fig: dict, real_node: bool) -> list[tuple]:
     figure("in-process: overhead", over["hook"])
     figure("in-process: added CPU per start", cpu["hook"])
     n = at_once if at_once is not None else BURST_SIZE
-    against("3", f"{n} at once, served: p95 added / NVIDIA's", burst["served"], burst["nvidia"], BURST_SERVED)
+    against("3", f"{n} at once, served: p95 added / NVIDIA's", burst["served"], burst["nvidia"], BURST_SERVED,
+            "served")
     against("3", f"{n} at once, in-process: p95 added / NVIDIA's", burst["hook"], burst["nvidia"],
-            BURST_INPROCESS)
+            BURST_INPROCESS, "hook")
     for arm, label in (("served", "served"), ("hook", "in-process"), ("nvidia", "NVIDIA's")):
         figure(f"{label}: p95 added over the no-hook burst's", burst[arm])
 

@@ -15,6 +15,7 @@ def figures(**over) -> dict:
                         "nvidia-nogpu": 3.0, "empty": 0.2},
            "cpu": {"served": 8.0, "hook": 40.0, "nvidia": 20.0},
            "burst": {"served": 60.0, "hook": 150.0, "nvidia": 200.0},
+           "burst_failed": {"none": 0, "served": 0, "hook": 0, "nvidia": 0},
            "at_once": 32, "list_ms": 60.0, "growth": 1.1}
     for key, value in over.items():
         fig[key] = dict(fig[key], **value) if isinstance(value, dict) else value
@@ -59,6 +60,14 @@ def test_a_burst_of_another_size_is_shown_and_not_judged():
     rows = targets.judge(figures(at_once=8), real_node=False)
     assert row(rows, "8 at once, served")[2] == 0.3
     assert row(rows, "8 at once, served")[5] == "n/a: 8 at once, the limit is for 32"
+
+
+def test_a_burst_with_failed_starts_is_not_judged():
+    rows = targets.judge(figures(burst_failed={"none": 0, "served": 0, "hook": 1, "nvidia": 2}), real_node=True)
+    assert row(rows, "32 at once, served")[5] == "not judged: failed starts nvidia 2"
+    assert row(rows, "32 at once, in-process")[5] == "not judged: failed starts hook 1, nvidia 2"
+    ours = targets.judge(figures(burst_failed={"none": 0, "served": 0, "hook": 1, "nvidia": 0}), real_node=True)
+    assert row(ours, "32 at once, served")[5] is True
 
 
 def test_without_nvidia_s_arm_every_ratio_says_so():
@@ -153,6 +162,11 @@ def test_the_run_s_report_ends_with_issue_27_s_table():
     assert targets.NEEDS_GPU in table and "benchmarks.deviceplugin" in table and "benchmarks.docker" in table
     issue27 = {r["label"]: r for r in record["derived"]["issue27"]}
     assert issue27["served: CPU per start (added) / NVIDIA's"]["value"] == pytest.approx(10 / 25)
+    broken = results()
+    broken["concurrent-nvidia"]["failures"] = ["runc: hook failed"]
+    _, record = run.report(broken, dict(FACTS), runs=3, concurrency=32, nvml_delay=300)
+    assert {r["label"]: r for r in record["derived"]["issue27"]}["32 at once, served: p95 added / NVIDIA's"]["met"] \
+        == "not judged: failed starts nvidia 1"
 
 
 def test_the_run_s_report_without_nvidia_s_arm_says_so():

@@ -297,6 +297,10 @@ def test_the_timing_and_concurrent_steps_end_in_issue_27_s_table(inv, tmp_path):
     for label, limit in (("served", 0.3), ("in-process", 1.0)):
         row = rows["3", f"32 at once, {label}: p95 added / NVIDIA's"]
         assert row["met"] is (row["value"] <= limit)
+    node.report["concurrent"]["samples"]["none"]["failed"].append("runc: failed")
+    realgpu.Node.issue27(node)
+    assert {r["label"]: r for r in node.report["issue27"]}["32 at once, served: p95 added / NVIDIA's"]["met"] == \
+        "not judged: failed starts none 1"
 
     del single["nvidia"], burst["nvidia"]
     realgpu.Node.issue27(node)
