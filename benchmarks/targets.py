@@ -118,7 +118,7 @@ def judge(fig: dict, real_node: bool) -> list[tuple]:
         value, text, verdict = _against_nvidia(ours, theirs, limits, real_node)
         if target == "3":
             failed = fig.get("burst_failed", {})
-            verdict = _burst_verdict(verdict, at_once, {arm: failed.get(arm, 0) for arm in ("none", arm, "nvidia")})
+            verdict = _burst_verdict(verdict, at_once, {a: failed.get(a, 0) for a in ("none", arm, "nvidia")})
         rows.append((target, label, value, "x", text, verdict))
 
     def figure(label, value, unit="ms"):
