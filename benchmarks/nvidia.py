@@ -1,4 +1,5 @@
-"""NVIDIA's own hook as an arm of the same interleaved run: the yardstick of issue 17's targets.
+"""NVIDIA's own hook as an arm of the same interleaved run: the yardstick of issues 17's and 27's
+targets (``benchmarks/targets.py`` judges them).
 
 Why an arm and not a remembered figure: absolute times on these shared 2-vCPU machines drift
 from run to run, so every target is a ratio of overheads over the run's own no-hook arm, with
@@ -101,46 +102,3 @@ def write_config(path: Path, cli: Path, library_path: str, *, root: str | None =
         lines += ["[nvidia-container-runtime.modes.legacy]", 'cuda-compat-mode = ""']
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def targets(median, p95, cpu=lambda name: None) -> list[tuple[str, float | None, str, bool | None]]:
-    """Issue 17's table: (measure, value, target, met). ``median(name)`` and ``p95(name)`` give a
-    series' figures in ms, ``cpu(name)`` its median CPU ms per start (None when absent)."""
-    def over(arm: str, base: str = "v1/none", of=median) -> float | None:
-        a, b = of(arm), of(base)
-        return None if a is None or b is None else a - b
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return None if a is None or not b or b <= 0 else a / b
-
-    def met(value, limit):
-        return None if value is None else value <= limit
-
-    nvidia = over("v1/nvidia")
-    served, inprocess = ratio(over("v1/served"), nvidia), ratio(over("v1/hook"), nvidia)
-    nogpu_served, nogpu_hook = over("v1/served-nogpu"), over("v1/hook-nogpu")
-    single = over("v1/served")
-    conc_none, conc_served = p95("concurrent-none"), p95("concurrent-served")
-    added = None if conc_none is None or conc_served is None else conc_served - conc_none
-    concurrency = ratio(added, single)
-    growth = ratio(over("growth/all", "growth/none"), over("growth/one", "growth/none"))
-    # CPU: what the start adds over the same run's no-hook arm, all processes it causes (world.py)
-    cpu_served, cpu_nvidia = over("v1/served", of=cpu), over("v1/nvidia", of=cpu)
-    cpu_ratio = ratio(cpu_served, cpu_nvidia)
-    return [
-        ("served + native client, cgroup v1: overhead / NVIDIA's", served, "<= 0.5x", met(served, 0.5)),
-        ("in-process hook: overhead / NVIDIA's", inprocess, "<= 1.5x", met(inprocess, 1.5)),
-        ("no GPU asked, served: overhead (ms)", nogpu_served, "<= 2 ms", met(nogpu_served, 2.0)),
-        ("no GPU asked, in-process: overhead (ms)", nogpu_hook, "<= 20 ms", met(nogpu_hook, 20.0)),
-        ("no GPU asked, NVIDIA's hook: overhead (ms, reference)", over("v1/nvidia-nogpu"), "-", None),
-        ("a hook that does nothing: overhead (ms, the floor of any hook)", over("v1/empty"), "-", None),
-        ("NVIDIA's hook: overhead (ms, reference)", nvidia, "-", None),
-        ("32 at once, served: p95 added over no hook / single overhead", concurrency, "<= 3x",
-         met(concurrency, 3.0)),
-        ("8 GPUs, served: overhead of all / overhead of one", growth, "<= 1.3x", met(growth, 1.3)),
-        ("CPU per start, served (server and spare included): added CPU / NVIDIA's", cpu_ratio, "<= 1x",
-         met(cpu_ratio, 1.0)),
-        ("CPU per start, served: added CPU (ms)", cpu_served, "-", None),
-        ("CPU per start, NVIDIA's hook: added CPU (ms, reference)", cpu_nvidia, "-", None),
-        ("CPU per start, in-process: added CPU (ms)", over("v1/hook", of=cpu), "-", None),
-    ]

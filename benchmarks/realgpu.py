@@ -18,7 +18,9 @@ up on a bare machine), it records, into one JSON file and one text report,
 * start latency, interleaved rounds of ``runc run`` of ``true`` with every registration and
   without a hook, as ``python -m benchmarks`` times them on the fake machine, with CPU per
   start (runc's children, plus the server's whole tree for the served arms); and 32 starts at
-  once per registration, the p95 each adds over the no-hook arm's;
+  once per registration, the p95 each adds over the no-hook arm's; from these two steps, issue
+  27's targets 1 to 3 with a real node's limits, against NVIDIA's arm of the same run
+  (``benchmarks/targets.py``, the table ``python -m benchmarks`` ends with on the fake machine);
 * the Kubernetes side (``benchmarks/realgpu_k8s.py``): two containers at once on GPU 0's MPS
   replicas (``nvcontainer mps-daemon`` and what the device plugin's Allocate hands out), the
   real GPU's DRA ResourceSlice and one claim prepared by ``nvcontainer dra-driver`` and run
@@ -45,7 +47,7 @@ import time
 import uuid
 from pathlib import Path
 
-from . import nvidia, realgpu_k8s as k8s, stats
+from . import nvidia, realgpu_k8s as k8s, stats, targets
 
 HOOK_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
 GPU_ENV = ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
@@ -520,6 +522,17 @@ class Node:
         self.report["concurrent"] = {"at_once": at_once, "rounds": rounds, "summary": summary, "samples": samples,
                                      "server": server}
 
+    def issue27(self) -> None:
+        """Issue 27's targets 1 to 3 (and the no-GPU rows of 5) from the ``timing`` and
+        ``concurrent`` steps' figures, judged with a real node's limits."""
+        if "timing" not in self.report and "concurrent" not in self.report:
+            return
+        rows = targets.judge(targets.from_realgpu(self.report), real_node=True)
+        self.report["issue27"] = targets.record(rows)
+        self.say("\n" + targets.render(rows, "== issue 27's targets (real node): medians over the no-hook arm, "
+                                             "against NVIDIA's hook 1.17.9 + cli 1.17.0 in the same run",
+                                       targets.FOOTER_REAL).rstrip())
+
     def shim(self, template: Path) -> None:
         """Our ``nvidia-container-runtime`` in place of runc, as an engine runs it: a spec with no
         hook asking for GPU 0 gets the hook and the GPU's device nodes written into it (legacy
@@ -747,6 +760,10 @@ def main() -> int:
                         node.say(f"!! step {name} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     finally:
         node.cleanup()
+        try:
+            node.issue27()
+        except Exception as exc:   # the record of the steps is still written
+            node.say(f"!! issue 27's table: {type(exc).__name__}: {exc}")
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "realgpu.json").write_text(json.dumps(node.report, indent=1))

@@ -11,7 +11,8 @@
 # installed from this checkout, as a regular (non-editable) install into a virtual environment
 # that also sees the node's python3 packages; its native fronts and hook client are built with
 # the node's compiler.
-# Everything goes under /tmp/nvc-real, removed first; OUT receives realgpu.json and realgpu.txt.
+# Everything goes under /tmp/nvc-real, removed first; OUT receives realgpu.json and realgpu.txt
+# (both end with issue 27's targets 1 to 3, judged against NVIDIA's arm of the same run).
 set -u
 tools=$1 out=$2
 shift 2

@@ -22,7 +22,7 @@ from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.fakegpu.runner import fake_proc_command
 from tests.fixtures.runtime import CGROUP2_WORLD
 
-from . import nvidia, stats, workspace
+from . import nvidia, stats, targets, workspace
 
 RESULTS = workspace.REPO / "benchmarks" / "results"
 CACHE_DIR = "/run/nvcontainer"   # the default cache-dir: the hook runs with production settings
@@ -123,7 +123,7 @@ HOT_MODULES = ("nvcontainer.hook.main, nvcontainer.hook.prestart, nvcontainer.co
 
 
 def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: int, base: Path,
-            parts=PARTS) -> dict:
+            parts=PARTS, anchors: Path = nvidia.TARBALL) -> dict:
     # no decoy CUDA stubs in its ld cache: NVIDIA's cli would load the stub NVML (its loader takes the
     # first cache entry) and fail, and its arm is the yardstick
     fast = ws.machine("fast", FakeSpec(gpus=2, decoys=False))
@@ -155,7 +155,7 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
             # the floor of any prestart hook: runc forking and executing a static program that
             # does nothing (what a container that asks for no GPU cannot get below)
             "empty": ([workspace.empty_hook_entry()], [])}
-    theirs = nvidia.hook_entry(base, fast)
+    theirs = nvidia.hook_entry(base, fast, anchors)
     if theirs is not None:
         arms["nvidia"] = ([theirs], workspace.CONTAINER_ENV)
         arms["nvidia-nogpu"] = ([theirs], [])
@@ -187,8 +187,10 @@ def collect(ws: workspace.Workspace, runs: int, concurrency: int, nvml_delay: in
                       "warmup": {arm: bundles(2, *hooks, env=env) for arm, (hooks, env) in arms.items()}})
     if "concurrent" in parts:
         steps += [{"kind": "concurrent", "name": "concurrent-served", "bundles": bundles(concurrency, served)},
-                  {"kind": "concurrent", "name": "concurrent-hook", "bundles": bundles(concurrency, ws.hook_entry(fast))},
-                  {"kind": "concurrent", "name": "concurrent-none", "bundles": bundles(concurrency)}]
+                  {"kind": "concurrent", "name": "concurrent-hook", "bundles": bundles(concurrency, ws.hook_entry(fast))}]
+        if theirs is not None:   # issue 27's target 3: each burst's added p95 against NVIDIA's
+            steps.append({"kind": "concurrent", "name": "concurrent-nvidia", "bundles": bundles(concurrency, theirs)})
+        steps.append({"kind": "concurrent", "name": "concurrent-none", "bundles": bundles(concurrency)})
     if "probes" in parts:
         steps.append({"kind": "interleaved", "name": "probes",
                       "arms": {arm: bundles(runs, ws.probe_entry(base / f"probe-{arm}.jsonl", argv))
@@ -323,6 +325,7 @@ ROWS = (
     ("no hook", "concurrent-none"),
     ("hook (served)", "concurrent-served"),
     ("hook (in-process)", "concurrent-hook"),
+    ("NVIDIA's hook 1.17.9 + cli 1.17.0", "concurrent-nvidia"),
     ("hook (served), cache stale under a running server", "concurrent-after-reboot-served"),
     ("hook (in-process), right after reboot", "concurrent-after-reboot"),
     ("# one process, timed alone (in a prestart)", None),
@@ -528,18 +531,18 @@ def report(results: dict, facts: dict, runs: int, concurrency: int, nvml_delay: 
             "in-process: the hook run by its own interpreter, as without a server (for comparison)\n"
             + ("WARNING: something listens on /run/nvcontainer/hook.sock: the in-process arms paid its answer\n"
                if facts.get("default_socket_present") else "") + "\n")
-    goals = nvidia.targets(median, lambda name: s.get(name, {}).get("p95"),
-                           lambda name: s.get(f"{name}/cpu", {}).get("median"))
-    derived["issue17"] = [{"label": label, "value": value, "target": target, "met": ok}
-                          for label, value, target, ok in goals]
-    lines += ["", "issue 17's targets, ratios from this run" + ("" if median("v1/nvidia") is not None else
-                                                               " (NVIDIA's arm absent: no anchors tarball)")]
-    lines += [f"  {label}: {'-' if value is None else f'{value:.2f}'} (target {target})"
-              + ("" if ok is None else "  MET" if ok else "  NOT MET") for label, value, target, ok in goals]
+    goals = targets.judge(targets.from_summaries(s, concurrency, derived["failures"]), real_node=False)
+    if served_facts["not_served"] or any(u["died"] for u in served_facts["unclean_stop"].values()):
+        goals = targets.invalidate(goals, "INVALID: not served")
+    derived["issue27"] = targets.record(goals)
     shown_checks = [c for c in checks if c[1] is not None]
     shown_comparison = [(label, value, target, "(not judged)") for label, value, target in comparison
                         if value is not None]
     text = head + stats.table(rows, shown_checks, notes=lines, comparison=shown_comparison)
+    text += "\n" + targets.render(goals, "issue 27's targets: medians over this run's no-hook arm, against NVIDIA's "
+                                         "hook 1.17.9 + cli 1.17.0 in the same run (fake machine)"
+                                  + ("" if "v1/nvidia" in s else "; NVIDIA's arm absent: no anchors tarball"),
+                                  targets.FOOTER_FAKE)
     if derived["failures"]:
         text += f"\nFAILED RUNS: {derived['failures']}\n"
     if served_facts["not_served"]:
@@ -589,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON record")
     parser.add_argument("--keep", action="store_true", help="keep the temporary workspace")
     parser.add_argument("--only", action="append", choices=PARTS, help="run only these parts (repeatable)")
+    parser.add_argument("--anchors", type=Path, default=nvidia.TARBALL,
+                        help="NVIDIA's tools to time beside ours (default: %(default)s; absent: no NVIDIA arm)")
     parser.add_argument("--compare", action="append", default=[], metavar="LABEL=TREE",
                         help="also time the hook of another tree (a directory holding nvcontainer/, or git:REV) "
                              "in the cgroup v1 series")
@@ -604,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         compare = dict(item.split("=", 1) for item in args.compare)
         ws = workspace.create(base, compare)
-        results = collect(ws, args.runs, args.concurrency, args.nvml_delay_ms, base, args.only or PARTS)
+        results = collect(ws, args.runs, args.concurrency, args.nvml_delay_ms, base, args.only or PARTS,
+                          args.anchors)
     finally:
         cleanup_cache(base)
         if not args.keep:

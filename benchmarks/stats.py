@@ -57,7 +57,7 @@ def table(rows: list[tuple[str, dict]], checks: list[tuple[str, float | None, st
     if notes:
         out.append("")
         out += notes
-    for heading, group in (("targets", checks), ("for comparison: the in-process hook", comparison)):
+    for heading, group in (("absolute targets (issues 6 and 26)", checks), ("for comparison: the in-process hook", comparison)):
         if group:
             out.append("")
             out.append(heading)

@@ -10,6 +10,7 @@ import copy
 import json
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -230,3 +231,78 @@ def test_the_ps_step_on_the_fake_machine(inv, tmp_path):
     assert out["ps"]["rc"] == 0, out["ps"]["stderr"]
     assert [g["uuid"] for g in json.loads(out["ps"]["stdout"])["gpus"]] == [g.uuid for g in inventory_.gpus]
     assert out["entry"] is None and out["seen"] is False        # nothing really ran
+
+
+# a stand-in runc that runs the bundle's prestart hooks (programs that sleep) and exits 0
+RUNC_RUNNING_HOOKS = """import json, subprocess, sys
+args = sys.argv[1:]
+if "run" in args:
+    with open(args[args.index("--bundle") + 1] + "/config.json") as f:
+        for hook in json.load(f)["hooks"].get("prestart", []):
+            subprocess.run([hook["path"], *hook["args"][1:]], check=True)
+"""
+
+
+class TimedNode(FakeNode):
+    """What the ``timing`` and ``concurrent`` steps use of Node: each registration a hook that
+    sleeps (ours served and in-process, NVIDIA's), run by a stand-in runc; no server to settle."""
+
+    SLEEP = {"served": "0.02", "hook": "0.1", "nvidia": "0.05"}
+
+    def __init__(self, machine, tmp_path):
+        super().__init__(machine, tmp_path)
+        runc = tmp_path / "runc"
+        runc.write_text(f"#!{sys.executable}\n{RUNC_RUNNING_HOOKS}")
+        self.server = type("Server", (), {"pid": os.getpid()})()
+
+    def entries(self):
+        sleep = shutil.which("sleep")
+        return {"empty": {"path": sleep, "args": ["sleep", "0"]},
+                **{arm: {"path": sleep, "args": ["sleep", s]} for arm, s in self.SLEEP.items()}}
+
+    def settle(self):
+        pass
+
+    def server_cpu_ms(self):
+        return 0.0
+
+
+def test_the_timing_and_concurrent_steps_end_in_issue_27_s_table(inv, tmp_path):
+    """Both steps run with NVIDIA's arm beside ours; the table's ratios are theirs, judged with
+    a real node's limits; without NVIDIA's arm every ratio says so."""
+    from benchmarks import realgpu, targets
+
+    node = TimedNode(inv[0], tmp_path)
+    realgpu.Node.timing(node, tmp_path / "image", 3)
+    realgpu.Node.concurrent(node, tmp_path / "image", 4, 1)
+    single, burst = node.report["timing"]["summary"], node.report["concurrent"]["summary"]
+    assert set(burst) == {"none", "served", "hook", "nvidia"} and burst["nvidia"]["n"] == 4
+    realgpu.Node.issue27(node)
+    rows = {(r["target"], r["label"]): r for r in node.report["issue27"]}
+    served = rows["1", "served + native client: overhead / NVIDIA's"]
+    assert served["value"] == pytest.approx(single["served"]["over_none"] / single["nvidia"]["over_none"])
+    assert served["limit"] == "<= 0.25x" and served["met"] is (served["value"] <= 0.25)
+    assert rows["2", "in-process: overhead / NVIDIA's"]["limit"] == "<= 1.2x"
+    assert rows["1", "served: CPU per start (added) / NVIDIA's"]["limit"] == "<= 0.5x"
+    for arm, label, limit in (("served", "served", 0.3), ("hook", "in-process", 1.0)):
+        row = rows["3", f"4 at once, {label}: p95 added / NVIDIA's"]
+        assert row["value"] == pytest.approx(burst[arm]["p95_added"] / burst["nvidia"]["p95_added"])
+        assert row["met"] == "n/a: 4 at once, the limit is for 32"
+    assert not [r for r in node.report["issue27"] if r["met"] == targets.NEEDS_GPU]
+    text = "\n".join(node.text)
+    assert "== issue 27's targets (real node)" in text and "4 at once, served: p95 added / NVIDIA's" in text
+    node.report["concurrent"]["at_once"] = 32          # judged at the size the limits are for
+    realgpu.Node.issue27(node)
+    rows = {(r["target"], r["label"]): r for r in node.report["issue27"]}
+    for label, limit in (("served", 0.3), ("in-process", 1.0)):
+        row = rows["3", f"32 at once, {label}: p95 added / NVIDIA's"]
+        assert row["met"] is (row["value"] <= limit)
+    node.report["concurrent"]["samples"]["none"]["failed"].append("runc: failed")
+    realgpu.Node.issue27(node)
+    assert {r["label"]: r for r in node.report["issue27"]}["32 at once, served: p95 added / NVIDIA's"]["met"] == \
+        "not judged: failed starts none 1"
+
+    del single["nvidia"], burst["nvidia"]
+    realgpu.Node.issue27(node)
+    ratios = [r for r in node.report["issue27"] if r["unit"] == "x"]
+    assert len(ratios) == 5 and all(r["met"] == targets.NO_NVIDIA for r in ratios)
