@@ -26,7 +26,7 @@ import pytest
 from nvcontainer.fs.dirwatch import DirWatch, parse, verdict, IN_MOVED_TO, IN_Q_OVERFLOW
 from nvcontainer.fs.private import open_private_dir
 from nvcontainer.leases import liveness, store
-from nvcontainer.leases.model import Lease
+from nvcontainer.leases.model import PENDING_S, Lease
 from nvcontainer.serve.leasewatch import RESCAN, LeaseWatch
 from tests.fixtures import runtime
 from tests.test_leases_e2e import Server, bundle, four, leases, settle, world  # noqa: F401 (fixture)
@@ -115,6 +115,26 @@ def test_a_lease_written_wakes_the_watch_at_once_and_nothing_else_does(tmp_path,
         while watch.watched:
             assert turn(watch)                                       # the pidfd fires: released
         assert leases({"leases": path}) == []
+    finally:
+        watch.close()
+
+
+def test_a_pending_lease_wakes_the_watch_when_it_expires(tmp_path):
+    """The shim's pending lease (no init yet) is the one thing the watch waits for with a timer:
+    it is released when :data:`PENDING_S` have passed, not at the next event."""
+    path = tmp_path / "run" / "leases.json"
+    watch = LeaseWatch(str(path))
+    watch.start()
+    try:
+        lease = Lease(gpus=("GPU-0",), indexes=(0,), container="c0", pid=0, start=0,
+                      since=time.time() - PENDING_S + 0.3)
+        store.update(str(path), lambda old: ((lease,), None))
+        assert turn(watch)
+        assert 0 < watch.timeout() <= 0.3
+        start = time.monotonic()
+        while leases({"leases": path}):
+            assert turn(watch) == [] and time.monotonic() - start < 0.6   # the timer, not an event
+        assert watch.timeout() is None
     finally:
         watch.close()
 
