@@ -88,15 +88,15 @@ def eight(fake_machine_factory):
 class Server:
     """``nvcontainer serve`` on the test's socket and config, in the fake machine's world."""
 
-    def __init__(self, machine, w):
-        self.machine, self.w = machine, w
+    def __init__(self, machine, w, wrap=()):
+        self.machine, self.w, self.wrap = machine, w, list(wrap)   # wrap: an argv prefix for the server
         self.proc = None
 
     def start(self):
         self.w["sock"].parent.mkdir(mode=0o700, exist_ok=True)
-        argv = [sys.executable, "-I", "-m", "nvcontainer", "--root", str(self.machine.root), "--config",
-                str(self.w["cfg"]), "--debug", str(self.w["sock"].parent / "serve.log"), "serve", "--socket",
-                str(self.w["sock"])]
+        argv = [*self.wrap, sys.executable, "-I", "-m", "nvcontainer", "--root", str(self.machine.root),
+                "--config", str(self.w["cfg"]), "--debug", str(self.w["sock"].parent / "serve.log"), "serve",
+                "--socket", str(self.w["sock"])]
         self.proc = subprocess.Popen(fake_proc_command(self.machine, argv), stderr=subprocess.PIPE, text=True,
                                      cwd=REPO)
         line = self.proc.stderr.readline()

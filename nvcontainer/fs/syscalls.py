@@ -72,6 +72,10 @@ MS_SHARED = 1 << 20
 MNT_DETACH = 0x2
 UMOUNT_NOFOLLOW = 0x8
 
+# inotify_init1(2) flags: the kernel's values are those of O_CLOEXEC and O_NONBLOCK
+IN_CLOEXEC = os.O_CLOEXEC
+IN_NONBLOCK = os.O_NONBLOCK
+
 RENAME_NOREPLACE = 0x1
 RENAME_EXCHANGE = 0x2
 
@@ -249,6 +253,17 @@ def umount2(target: str, flags: int) -> None:
 
 def unshare(flags: int) -> None:
     _check(_lib().unshare(flags), "unshare")
+
+
+def inotify_init1(flags: int = 0) -> int:
+    """inotify_init1(2): a new inotify instance, always close-on-exec."""
+    return _check(_lib().inotify_init1(ctypes.c_int(flags | IN_CLOEXEC)), "inotify_init1")
+
+
+def inotify_add_watch(fd: int, path: str | bytes, mask: int) -> int:
+    """inotify_add_watch(2): the watch descriptor of ``path`` in instance ``fd``."""
+    ret = _lib().inotify_add_watch(ctypes.c_int(fd), _path(path), ctypes.c_uint32(mask))
+    return _check(ret, "inotify_add_watch", path)
 
 
 def fstatfs_type(fd: int) -> int:

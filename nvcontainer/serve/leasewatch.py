@@ -3,9 +3,13 @@ within a poll of its container's end, not at the next request.
 
 Why pidfds: a pidfd polls readable the moment its process exits, zombie or not, and cannot be
 fooled by a reused pid (it names the process, not the number). The watch learns of new leases
-from the file itself (a stat per loop turn, and at least every :data:`RESCAN` seconds), so the
-leases the in-process hook takes are watched too. At start it reconciles: leases of containers
-that ended while no server ran are released, the others kept and watched.
+from the file itself, so the leases the in-process hook and the runtime shim take are watched
+too: an inotify watch of the file's directory (:mod:`..fs.dirwatch`) wakes the server the moment
+the file is replaced, and nothing else does, so a node that never leases never wakes the server
+for it. Where inotify cannot be had (a limit reached, the directory removed under the server)
+the file is looked at on every loop turn and at least every :data:`RESCAN` seconds, and the
+watch is tried again as often. At start it reconciles: leases of containers that ended while no
+server ran are released, the others kept and watched.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import os
 import time
 
 from .. import log
-from ..errors import NvcError
+from ..errors import NvcError, escape
+from ..fs.dirwatch import DirWatch
+from ..fs.private import open_private_dir
 from ..leases import liveness, store
 from ..leases.grant import reconcile
 from ..leases.model import PENDING_S
 
-RESCAN = 0.5   # seconds: a lease the in-process hook took is watched within this
+RESCAN = 0.5   # seconds: without inotify, a lease the in-process hook took is watched within this
 
 
 class LeaseWatch:
@@ -29,6 +35,10 @@ class LeaseWatch:
         self.seen: tuple | None = None
         self.pending_until: float | None = None   # when the first pending lease (pid 0) expires
         self.enabled = True
+        self.dirwatch: DirWatch | None = None
+        self.dirty = True          # the file may have changed since it was last looked at
+        self.next_arm = 0.0        # without inotify: when to try it again (monotonic)
+        self.without: str | None = None   # why there is no inotify watch, as last logged
 
     def start(self) -> None:
         try:
@@ -38,20 +48,63 @@ class LeaseWatch:
             self.enabled = False
             return
         log.info(f"leases: {kept} kept, {released} of ended containers released")
+        self.arm()   # after the reconcile made the directory, before the first look at the file
         self.refresh()
 
+    def arm(self) -> None:
+        """Watch the file's directory with inotify, or say once why not (and rescan)."""
+        self.next_arm = time.monotonic() + RESCAN
+        directory = os.path.dirname(self.path) or "."
+        try:
+            dfd = open_private_dir(directory, "leases", create=False)
+        except NvcError as exc:
+            return self._without(exc.detail)
+        try:
+            self.dirwatch = DirWatch(dfd, os.path.basename(self.path))
+        except OSError as exc:
+            return self._without(exc.strerror)
+        finally:
+            os.close(dfd)
+        self.dirty = True
+        self.without = None
+        log.info(f"leases: {escape(directory)} watched with inotify")
+
+    def _without(self, why: str) -> None:
+        if why != self.without:
+            log.info(f"leases: no inotify watch ({why}): the file is looked at every {RESCAN:g} s")
+            self.without = why
+
     def fds(self) -> list[int]:
-        return list(self.watched) if self.enabled else []
+        if not self.enabled:
+            return []
+        return [*self.watched, *([self.dirwatch.fileno()] if self.dirwatch else [])]
+
+    def timeout(self) -> float | None:
+        """Seconds until :meth:`refresh` must run though none of :meth:`fds` fired: None with
+        inotify and no pending lease (nothing to wait for but the fds)."""
+        if not self.enabled:
+            return None
+        waits = [] if self.dirwatch else [RESCAN]
+        if self.pending_until is not None:
+            waits.append(max(0.0, self.pending_until - time.time()))
+        return min(waits, default=None)
 
     def refresh(self) -> None:
-        """Watch every lease in the file (once it changed); release those already ended."""
+        """Watch every lease in the file (once it changed); release those already ended. With
+        inotify, the file is looked at only after an event said it may have changed."""
         if not self.enabled:
             return
-        try:
-            st = os.stat(self.path)
-            key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            key = None
+        if self.dirwatch is None and time.monotonic() >= self.next_arm:
+            self.arm()
+        if self.dirwatch is not None and not self.dirty:
+            key = self.seen
+        else:
+            self.dirty = False
+            try:
+                st = os.stat(self.path)
+                key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            except FileNotFoundError:
+                key = None
         if key == self.seen:
             if self.pending_until is not None and time.time() >= self.pending_until:
                 self.pending_until = None
@@ -85,11 +138,21 @@ class LeaseWatch:
                 ended = True
                 continue
             self.watched[fd] = who
+            log.info(f"leases: watching init {lease.pid} of container {escape(lease.container, 80)}")
         if ended:
             self.release()
 
     def fired(self, fd: int) -> bool:
-        """``fd`` is one of ours and its process exited: its leases are released."""
+        """``fd`` is one of ours: the directory's watch (the file is looked at on the next
+        :meth:`refresh`), or a pidfd whose process exited (its leases are released)."""
+        if self.dirwatch is not None and fd == self.dirwatch.fileno():
+            changed, lost = self.dirwatch.drain()
+            if lost:   # the directory was removed or moved: watch whatever is there now
+                self.dirwatch.close()
+                self.dirwatch = None
+                self.next_arm = 0.0
+            self.dirty = self.dirty or changed or lost
+            return True
         if fd not in self.watched:
             return False
         pid, _ = self.watched.pop(fd)
@@ -106,9 +169,13 @@ class LeaseWatch:
             return
         if released:
             log.info(f"leases: {released} released")
+        self.dirty = True   # our own write: looked at now, not when its event comes
         self.refresh()
 
     def close(self) -> None:
         for fd in self.watched:
             os.close(fd)
         self.watched.clear()
+        if self.dirwatch is not None:
+            self.dirwatch.close()
+            self.dirwatch = None

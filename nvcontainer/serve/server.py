@@ -45,7 +45,7 @@ from .. import log
 from ..errors import NvcError
 from ..leases.grant import rehearse
 from ..leases.store import path_in
-from .leasewatch import RESCAN, LeaseWatch
+from .leasewatch import LeaseWatch
 from .listen import adopt, listen
 from . import request
 from .request import become_request_child, handle
@@ -217,7 +217,7 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool, leases: Leas
             # spare, connections are accepted here, one fork each. From the fork until the
             # spare takes a connection no other request runs: only the spare accepts.
             leases.refresh()
-            timeout = RESCAN if leases.enabled else None
+            timeout = leases.timeout()   # None unless a lease is pending or inotify failed
             if children:
                 idle_since = None
             elif idle_since is None:
