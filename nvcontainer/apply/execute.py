@@ -32,7 +32,7 @@ import time
 from .. import log
 from ..errors import NvcError
 from ..plan.model import Plan
-from . import ldconfig, mounter, worker
+from . import ldconfig, mounter, usage, worker
 from .pin import pin
 
 
@@ -54,8 +54,9 @@ def apply(plan: Plan, *, deadline: float = 30.0, mountinfo_pid: int | None = Non
             )
         actions, fds = mounter.prepare(plan)
         log.info(f"prepared {len(fds)} detached mounts")
+        started = time.monotonic()
         running = worker.start(
-            place_then_ldconfig, pinned.mntns_fd, plan.rootfs, actions, list(plan.owner), fds, job,
+            place_then_ldconfig, pinned.mntns_fd, plan.rootfs, actions, list(plan.owner), fds, job, log.enabled(),
             deadline=_left(end, "mount"), name="mount worker", category="mount",
             keep_fds=[pinned.mntns_fd, *fds, *([job.exe] if job else [])], isolated=job is not None,
         )
@@ -64,7 +65,7 @@ def apply(plan: Plan, *, deadline: float = 30.0, mountinfo_pid: int | None = Non
                 os.close(fd)
             fds = []
             # The devices only after the mounts are in: see the module docstring.
-            log_placed(running.wait() if job is None else running.next_stage(), plan.rootfs)
+            log_placed(running.wait() if job is None else running.next_stage(), plan.rootfs, started)
             if plan.cgroups:
                 _cgroups(plan, pinned, mountinfo_pid)
         except BaseException:
@@ -83,17 +84,28 @@ def apply(plan: Plan, *, deadline: float = 30.0, mountinfo_pid: int | None = Non
         pinned.close()
 
 
-def log_placed(reply: dict, rootfs: str) -> None:
+def log_placed(reply: dict, rootfs: str, started: float | None = None) -> None:
     for w in reply["warnings"]:
         log.warning(w)
     log.info(f"placed {reply['done']} actions in {rootfs}")
+    if "usage" in reply and started is not None:
+        log.info(usage.describe("placing, in the worker", reply["usage"], started))
 
 
 def place_then_ldconfig(mntns_fd: int, rootfs: str, actions: list[dict], owner: list[int], held: list[int],
-                        job: ldconfig.Job | None) -> dict:
+                        job: ldconfig.Job | None, measure: bool = False) -> dict:
     """Worker body: the plan's entries and mounts, then (if the plan has it) ldconfig, as a
-    second stage of the same worker, so its failures still read as ldconfig's."""
-    placed = mounter.place(mntns_fd, rootfs, actions, owner)
+    second stage of the same worker, so its failures still read as ldconfig's. With
+    ``measure`` (a ``--debug`` run), the reply says what the placing cost the worker."""
+    meter = usage.Meter() if measure else None
+    try:
+        before = meter.sample() if meter else None
+        placed = mounter.place(mntns_fd, rootfs, actions, owner)
+        if meter is not None:
+            placed["usage"] = [before, meter.sample()]
+    finally:
+        if meter is not None:
+            meter.close()
     if job is None:
         return placed
     worker.stage("ldconfig", "ldcache", placed)
