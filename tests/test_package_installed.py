@@ -51,6 +51,9 @@ def test_a_gpu_container_through_the_installed_package(fake_machine_factory, tmp
     assert len(results) == 1, context
     assert_gpu0(*results[0], context)
     assert "(served by nvcontainer serve, pid " in (tmp_path / "hook.log").read_text()
+    # the package's runtime front and its server are one install: the spec edit was served too
+    served = (base / "serve.log").read_text()
+    assert served.count("runtime request from pid ") == 1 and "request declined" not in served, served
 
 
 PLANTED = "import os; open(os.environ['NVC_MARK'], 'w').write('ran')\n"
