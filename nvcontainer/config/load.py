@@ -25,7 +25,6 @@ anything taken from an image, so ``mount`` is refused with an explanation rather
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 
@@ -41,6 +40,8 @@ CONFIG_CAP = 1 << 20
 
 
 def _shown(value: object) -> str:
+    import json   # on the way to an error only
+
     return escape(json.dumps(value, default=str), 80)
 
 
