@@ -29,7 +29,7 @@ NOT_ON_THE_START = {
     "re", "json", "enum", "functools", "collections", "contextlib", "threading", "signal", "typing",
     "dataclasses", "inspect", "tomllib", "fnmatch", "socket", "subprocess", "pickle", "secrets",
     "click", "pynvml", "elftools", "nvcontainer.cdi", "nvcontainer.cli", "nvcontainer.inventory.build",
-    "nvcontainer.inventory.nvml", "nvcontainer.cgroups.v2", "nvcontainer.cgroups.bpf",
+    "nvcontainer.inventory.nvml", "nvcontainer.cgroups.v2", "nvcontainer.cgroups.bpf", "nvcontainer.config.toolkit",
 }
 
 # The hook as the static front starts it (-I), but without ``site``: this development venv's
@@ -68,7 +68,7 @@ def test_the_in_process_hook_imports_only_what_a_start_needs(fake_machine, tmp_p
     assert not imported & NOT_ON_THE_START, sorted(imported & NOT_ON_THE_START)
 
 
-def test_tomllib_is_imported_only_where_a_config_file_is_read(fake_machine, tmp_path):
+def test_tomllib_and_the_files_layout_are_imported_where_a_config_file_is_read(fake_machine, tmp_path):
     log = tmp_path / "imports.log"
     config = tmp_path / "config.toml"
     config.write_text('[nvidia-container-cli]\nldconfig = "@/sbin/ldconfig"\n')
@@ -76,7 +76,7 @@ def test_tomllib_is_imported_only_where_a_config_file_is_read(fake_machine, tmp_
                             extra_spec=_importing_hook(log, config))
     res = rt.run_container(fake_machine, bundle)
     assert res.returncode == 0 and "DONE:ok" in res.stdout, (res.stderr, log.read_text())
-    assert "tomllib" in _imported(log)
+    assert {"tomllib", "nvcontainer.config.toolkit"} <= _imported(log)
 
 
 # --- jsontext is json -------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import stat
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
 from ..records import replace
-from . import toolkit, values
+from . import values
 from .model import Config
 
 DEFAULT_PATH = "/etc/nvcontainer/config.toml"
@@ -55,6 +55,8 @@ class _Reader:
         self.inert: list[str] = []
 
     def take(self, table: str, key: str, value: object, where: str | None = None) -> None:
+        from . import toolkit   # here: a start without a file does not import the file's layout
+
         name, check = toolkit.TABLES[table][key]
         where = where or toolkit.where(table, key)
         if name in self.named:
@@ -64,6 +66,8 @@ class _Reader:
         self.named[name] = where
 
     def table(self, table: str, data: dict) -> None:
+        from . import toolkit
+
         for key, value in data.items():
             path = f"{table}.{key}" if table else key
             if key in toolkit.TABLES.get(table, {}):

@@ -66,7 +66,7 @@ def preload() -> None:
     import signal  # noqa: F401   (a signal's name in a worker's failure)
     import tomllib  # noqa: F401
 
-    from ..config import load, values  # noqa: F401
+    from ..config import load, toolkit, values  # noqa: F401
     from ..plan import gather as configure  # noqa: F401
     from ..hook import prestart as hook  # noqa: F401
     from ..request import decide, oci, require, selection
