@@ -237,3 +237,18 @@ def test_mountinfo_fields_are_unescaped_as_the_pattern_does(parts):
 
     field = "".join(parts)
     assert _unescape(field) == re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def test_the_cdi_hooks_modules_import_none_of_them():
+    """The CDI hooks (create-symlinks, update-ldcache: every container in CDI mode runs them, in
+    process) import the modules below at most; none brings what a start must not import."""
+    import subprocess
+
+    modules = ("nvcontainer.hook.main", "nvcontainer.hook.cdi", "nvcontainer.apply.execute", "nvcontainer.apply.ldconfig",
+               "nvcontainer.apply.mounter", "nvcontainer.apply.worker", "nvcontainer.apply.pin",
+               "nvcontainer.request.oci", "nvcontainer.fs.inroot", "nvcontainer.fs.mounts",
+               "nvcontainer.inventory.procfs", "nvcontainer.config.model")
+    code = (f"import sys; sys.path[:0] = {[str(REPO), *site.getsitepackages()]!r}; import {', '.join(modules)}; "
+            f"print(sorted(set(sys.modules).intersection({sorted(NOT_ON_THE_START)!r})))")
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
