@@ -252,3 +252,98 @@ def test_the_cdi_hooks_modules_import_none_of_them():
             f"print(sorted(set(sys.modules).intersection({sorted(NOT_ON_THE_START)!r})))")
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# --- nvidia-container-cli configure without click ---------------------------------------------
+
+_GLOBAL_WORDS = ["--load-kmods", "--no-pivot", "--root=/r", "--ldcache=/etc/ld.so.cache", "--debug=/d.log", "--user=",
+                 "--user=0:0", "--config=/c.toml", "-k", "--root", "/r", "--bogus", "--load-kmods=1", "info"]
+_CONFIGURE_WORDS = ["--device=0", "--device=1,2", "--require=cuda>=11", "--pid=12", "--pid=+1", "--pid=x", "--pid=",
+                    "--pid=0012", "--pid=\u0661", "--ldconfig=@/sbin/ldconfig", "--compute", "--utility", "--video",
+                    "--graphics", "--display", "--ngx", "--compat32", "--mig-config=all", "--mig-monitor=all",
+                    "--imex-channel=1", "--no-cgroups", "--no-devbind", "--no-persistenced", "--no-fabricmanager",
+                    "--no-gsp-firmware", "--cuda-compat-mode=ldconfig", "--cuda-compat-mode=LDCONFIG", "--no-cntlibs",
+                    "--dry-run", "--json", "/rootfs", "/other", "-c", "--compute=1", "--", "-", "--root=/x",
+                    "--device", "0", "--device=a=b", ""]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_GLOBAL_WORDS), max_size=4), st.booleans(),
+       st.lists(st.sampled_from(_CONFIGURE_WORDS), max_size=6))
+@example(["--load-kmods", "--ldcache=/etc/ld.so.cache"], True, ["--device=0", "--compute", "--utility",
+                                                                "--ldconfig=@/sbin/ldconfig", "--pid=12", "/rootfs"])
+@example([], True, ["--cuda-compat-mode=LDCONFIG", "/rootfs"])
+@example([], True, ["--cuda-compat-mode=disabled", "--pid=0012", "/rootfs"])
+@example(["--no-pivot", "--user=", "-k"], True, ["--device=0", "--device=1,2", "--imex-channel=1", "/rootfs"])
+def test_an_engines_configure_argv_is_read_as_click_reads_it(before, command, after):
+    """Where the click-free reading takes an argv, click takes it too, with the same values."""
+    import pytest
+
+    from nvcontainer.cli import inject, main as cli_main, nvcli
+
+    args = [*before, *(["configure"] if command else []), *after]
+    read = nvcli.read_argv(list(args))
+    if read is None:
+        return
+    seen: dict = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cli_main, "open_run", lambda **group: seen.setdefault("group", group) and "obj")
+        mp.setattr(inject, "configure", lambda obj, **params: seen.setdefault("params", params))
+        assert cli_main.main(list(args), prog=nvcli.PROG) == 0, args
+    assert read == (seen["group"], seen["params"]), args
+
+
+def test_the_click_free_reading_knows_every_option_as_click_declares_it():
+    from nvcontainer.cli import nvcli
+    from nvcontainer.cli.configure import configure
+    from nvcontainer.cli.main import cli
+
+    def longs(command, **kinds):
+        out = {}
+        for p in command.params:
+            if p.param_type_name != "option" or p.name in ("help", "version"):
+                continue
+            name = next(o for o in p.opts if o.startswith("--"))
+            out[name] = ("repeated" if p.multiple else "flag" if p.is_flag else "value", p.name)
+        return out
+    ours = {**{k: ("value", v) for k, v in nvcli.GLOBAL_VALUES.items()},
+            **{k: ("flag", v) for k, v in nvcli.GLOBAL_FLAGS.items()}}
+    assert longs(cli) == ours
+    ours = {**{k: ("value", v) for k, v in nvcli.VALUES.items()}, **{k: ("repeated", v) for k, v in nvcli.REPEATED.items()},
+            **{k: ("flag", v) for k, v in nvcli.FLAGS.items()}, "--dry-run": ("flag", "dry_run"), "--json": ("flag", "as_json")}
+    assert longs(configure) == ours
+    mode = next(p for p in configure.params if p.name == "cuda_compat_mode")
+    assert tuple(mode.type.choices) == nvcli.COMPAT_MODES
+
+
+# containerd's ``ctr --gpus`` hook, as a runc prestart hook: the state's pid and the bundle's
+# rootfs filled in (containerd does it from templates), then nvidia-container-cli's argv.
+CTR_HOOK = r"""
+import json, os, sys
+state = json.load(sys.stdin)
+argv = sys.argv[1:]
+argv = [a.replace("{{pid}}", str(state["pid"])).replace("{{rootfs}}", os.path.join(state["bundle"], "rootfs"))
+        for a in argv]
+os.execv(argv[0], argv)
+"""
+CLI = ("import sys; sys.path[:0] = sys.argv.pop(1).split(':'); "
+       "from nvcontainer.cli.nvcli import main_nvidia_container_cli as m; sys.exit(m())")
+
+
+def test_nvidia_container_cli_configure_as_ctr_runs_it_imports_no_click(fake_machine, tmp_path):
+    log = tmp_path / "imports.log"
+    paths = f"{REPO}:{':'.join(site.getsitepackages())}"
+    cli = [sys.executable, "-I", "-S", "-X", "importtime", "-c", CLI, paths, "--load-kmods", f"--root={fake_machine.root}",
+           "configure", "--device=0", "--compute", "--utility", "--pid={{pid}}", "{{rootfs}}"]
+
+    def edit(spec):
+        entry = spec["hooks"]["prestart"][1]
+        entry["path"] = "/bin/sh"
+        entry["args"] = ["sh", "-c", f'exec "$@" 2>"{log}"', "sh", sys.executable, "-I", "-c", CTR_HOOK, *cli]
+    bundle = rt.make_bundle(tmp_path, fake_machine, [], 'ls /dev/nvidia0 && echo "DONE:ok"', extra_spec=edit)
+    for _ in range(2):
+        res = rt.run_container(fake_machine, bundle)
+        assert res.returncode == 0 and "DONE:ok" in res.stdout, (res.stderr, log.read_text())
+    imported = _imported(log)
+    assert "nvcontainer.apply.execute" in imported
+    assert not imported & (NOT_ON_THE_START - {"nvcontainer.cli"}), sorted(imported & NOT_ON_THE_START)
