@@ -33,7 +33,7 @@ sys.exit(main())
 ENTRIES = {
     "nvcontainer-hook": ("nvcontainer.hook.main", "main"),
     "nvidia-container-runtime-hook": ("nvcontainer.hook.main", "main_nvidia_container_runtime_hook"),
-    "nvidia-container-cli": ("nvcontainer.cli.main", "main_nvidia_container_cli"),
+    "nvidia-container-cli": ("nvcontainer.cli.nvcli", "main_nvidia_container_cli"),
 }
 
 os.makedirs(OUT, exist_ok=True)

@@ -545,7 +545,7 @@ def test_a_hook_during_the_warm_up_waits_for_a_warm_answer(fake_machine_factory,
 
 
 HOOK_PATH_PATTERNS = ("config/values.py", "request/decide.py", "request/require.py", "request/selection.py",
-                      "request/oci.py", "plan/build.py", "plan/container.py")
+                      "plan/build.py", "plan/container.py", "cgroups/locate.py", "plan/volume.py")
 
 
 def test_the_server_compiles_the_hook_paths_patterns_before_it_forks():

@@ -14,7 +14,10 @@ import errno
 import fcntl
 import os
 import resource
-from collections.abc import Iterable
+
+TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:   # annotations only: collections.abc imports collections, a start's 1 ms
+    from collections.abc import Iterable
 
 _NR_CLOSE_RANGE = 436  # the same on every architecture (post-5.1 syscall table)
 

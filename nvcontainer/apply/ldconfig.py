@@ -44,7 +44,6 @@ up, and the deadline bounds it.
 from __future__ import annotations
 
 import os
-import signal
 
 from .. import log
 from ..errors import NvcError, escape
@@ -189,6 +188,8 @@ def failure_message(result: dict, program: str) -> str | None:
 
 
 def _signame(signo: int) -> str:
+    import signal   # ldconfig died of a signal: its name for the message (enum's import, then only)
+
     try:
         return signal.Signals(signo).name
     except ValueError:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import fcntl
 import os
 import resource
-import signal
+from _signal import SIG_DFL, SIGPIPE, SIGXFSZ, signal   # signal.py's C half (no enum)
 
 import prctl
 
@@ -216,8 +216,8 @@ def _become_ldconfig(job, shown: list[str], at: _At) -> None:
         raise OSError(0, problem)
 
     # Python ignores these two; ldconfig should die of them as any program would.
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    signal(SIGPIPE, SIG_DFL)
+    signal(SIGXFSZ, SIG_DFL)
 
     # Capabilities. The securebits and the bounding set need CAP_SETPCAP and the id changes
     # CAP_SETUID/CAP_SETGID, so they come before the capability sets are emptied; clearing

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import stat
 
@@ -189,7 +190,7 @@ def list_volumes(base: str) -> list[Volume]:
     try:
         out = []
         for n in sorted(os.listdir(fd))[:MAX_ENTRIES]:
-            m = NAME.fullmatch(n)
+            m = re.fullmatch(NAME, n)
             if not m:
                 continue
             try:

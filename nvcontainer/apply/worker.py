@@ -36,20 +36,22 @@ other threads, and ``setns(CLONE_NEWNS)`` in the child would fail anyway.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import select
-import signal
-import threading
+import sys
 import time
-from collections.abc import Callable, Iterable   # not typing: its import costs a start 2 ms
+from _signal import SIGKILL   # signal's C half: signal.py adds enums, and enum's import (milliseconds)
 
 import prctl   # here, once: every forked worker (and the ldconfig sandbox) finds it loaded
 
-from .. import log
+from .. import jsontext, log
 from ..errors import NvcError, escape
 from . import ns
 from .fds import close_fds_except, move_above, stdio_to_devnull
+
+TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:   # annotations only: collections.abc imports collections, a start's 1 ms
+    from collections.abc import Callable, Iterable
 
 MAX_REPLY = 1 << 20
 MAX_OUTPUT = 64 << 10  # the tail of a program's output kept (see output_follows)
@@ -98,7 +100,8 @@ def start(
     more). The child is the same as :func:`run`'s in every other respect; ``isolated`` gives
     it namespaces of its own (see the module docstring; a standby worker always has them).
     """
-    if threading.active_count() > 1:
+    threading = sys.modules.get("threading")   # not imported: no thread it counts exists (nor its cost)
+    if threading is not None and threading.active_count() > 1:
         raise NvcError("internal", f"{name}: refusing to fork a worker from a multi-threaded process")
     keep = sorted({int(fd) for fd in keep_fds})
     ready = take_standby()
@@ -270,7 +273,7 @@ class Worker:
             raise NvcError(self.category, f"{self.name}: reply larger than {self._max_reply} bytes")
         while (cut := data.find(b"\n")) >= 0:
             try:
-                frame = json.loads(data[:cut])
+                frame = jsontext.loads(data[:cut])
             except (ValueError, RecursionError):
                 frame = None
             if frame == {"exec": True}:
@@ -292,7 +295,7 @@ class Worker:
 def kill_group(pid: int) -> None:
     for kill in (os.killpg, os.kill):  # os.kill covers a child that never joined its group
         try:
-            kill(pid, signal.SIGKILL)
+            kill(pid, SIGKILL)
         except OSError:
             pass
 
@@ -308,7 +311,7 @@ def reap(pid: int, pidfd: int) -> int:
         done, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         return 0
-    return os.waitstatus_to_exitcode(status) if done else -signal.SIGKILL
+    return os.waitstatus_to_exitcode(status) if done else -SIGKILL
 
 
 def _decode(data: bytes, status: int, name: str, category: str) -> object:
@@ -317,7 +320,7 @@ def _decode(data: bytes, status: int, name: str, category: str) -> object:
             raise NvcError(category, f"{name}: worker killed by signal {_signame(-status)}")
         raise NvcError(category, f"{name}: worker exited with status {status} without a reply")
     try:
-        reply = json.loads(data)
+        reply = jsontext.loads(data)
     except (ValueError, RecursionError):
         reply = None
     if isinstance(reply, dict) and "ok" in reply:
@@ -337,6 +340,8 @@ def _one_line(text: str, limit: int) -> str:
 
 
 def _signame(signo: int) -> str:
+    import signal   # a worker that died of a signal: its name for the message
+
     try:
         return signal.Signals(signo).name
     except ValueError:
@@ -379,7 +384,7 @@ def stage(name: str, category: str, note: object = None) -> None:
     here = _here
     if here is None:
         raise RuntimeError("worker.stage() outside a worker")
-    frame = json.dumps({"stage": [name, category], "note": note}, allow_nan=False).encode() + b"\n"
+    frame = jsontext.dumps({"stage": [name, category], "note": note}, allow_nan=False).encode() + b"\n"
     if here.sent + len(frame) > here.max_reply:
         raise NvcError(here.category, f"{here.name}: reply larger than {here.max_reply} bytes")
     here.send(frame)
@@ -426,11 +431,11 @@ def answer(wfd: int, max_reply: int, category: str, name: str, setup):
             reply, code = {"error": [here.category, f"{here.name}: {type(exc).__name__}: {escape(exc)}"]}, 1
         category, name = here.category, here.name
         try:
-            data = json.dumps(reply, allow_nan=False).encode()
+            data = jsontext.dumps(reply, allow_nan=False).encode()
         except (TypeError, ValueError):
-            data, code = json.dumps({"error": [category, f"{name}: worker result is not JSON data"]}).encode(), 1
+            data, code = jsontext.dumps({"error": [category, f"{name}: worker result is not JSON data"]}).encode(), 1
         if here.sent + len(data) > max_reply:
-            data, code = json.dumps({"error": [category, f"{name}: reply larger than {max_reply} bytes"]}).encode(), 1
+            data, code = jsontext.dumps({"error": [category, f"{name}: reply larger than {max_reply} bytes"]}).encode(), 1
         here.send(data)
     finally:
         os._exit(code)
@@ -440,7 +445,7 @@ def become_worker(parent: int, keep: list[int], wfd: int, parent_fd: int | None 
     """Detach from everything the parent holds. Returns the (possibly moved) result fd.
     ``parent_fd`` is the parent's pidfd that :func:`.ns.fork_isolated` gives its child: such
     a child also leaves for network, IPC and UTS namespaces of its own."""
-    prctl.set_pdeathsig(signal.SIGKILL)
+    prctl.set_pdeathsig(SIGKILL)
     # The parent may have died between fork() and the line above; the death signal would then
     # never come. After that, getppid() names whoever adopted us, not the parent (or reads 0
     # in a PID namespace of our own, where the parent's pidfd tells instead).

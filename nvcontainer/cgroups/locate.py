@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import errno
 import os
-import re
-from collections.abc import Iterable, Iterator
-from contextlib import closing
 
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
 from ..records import record
+
+TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:   # annotations only: collections.abc imports collections, a start's 1 ms
+    from collections.abc import Iterable, Iterator
 
 MAX_CGROUP_FILE = 64 * 1024        # one line per hierarchy; a few hundred bytes in practice
 MAX_MOUNTINFO = 64 * 1024 * 1024   # hosts with many containers have tens of thousands of mounts
@@ -84,12 +85,18 @@ def _checked_cgroup_path(path: str) -> str:
     return path
 
 
-_OCTAL_RE = re.compile(r"\\([0-7]{3})")
+_OCTAL = r"\\([0-7]{3})"   # compiled by re on first use
+# what nvcontainer serve compiles before it forks (serve/server.py preload), so no request does
+PATTERNS = (_OCTAL,)
 
 
 def _unescape(field: str) -> str:
     """mountinfo writes space, tab, newline and backslash as ``\\ooo``."""
-    return _OCTAL_RE.sub(lambda m: chr(int(m.group(1), 8)), field)
+    if "\\" not in field:   # nearly every field: no re (its import costs a start milliseconds)
+        return field
+    import re
+
+    return re.sub(_OCTAL, lambda m: chr(int(m.group(1), 8)), field)
 
 
 def parse_mountinfo_line(line: str) -> tuple[str, str, str, list[str]] | None:
@@ -202,8 +209,11 @@ def locate(pid: int, mountinfo_pid: int | None = None, proc: str = "/proc") -> C
     text = _read_small(f"{proc}/{pid}/cgroup", MAX_CGROUP_FILE)
     version, path = parse_proc_cgroup(text)
     mi_pid = "self" if mountinfo_pid is None else str(mountinfo_pid)
-    with closing(mountinfo_lines(f"{proc}/{mi_pid}/mountinfo")) as lines:
+    lines = mountinfo_lines(f"{proc}/{mi_pid}/mountinfo")
+    try:
         mountinfo = list(lines)
+    finally:   # contextlib.closing, without contextlib's import
+        lines.close()
     if mountinfo_pid is None and proc == "/proc":
         mountinfo = [line for line in mountinfo if _visible(line)]
     if version == 1:

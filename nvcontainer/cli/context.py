@@ -3,7 +3,9 @@ and the parsing of options that more than one command takes."""
 
 from __future__ import annotations
 
-from .. import log
+import sys
+
+from .. import __version__, log
 from ..errors import NvcError, escape
 
 PROG = "nvcontainer"
@@ -35,6 +37,23 @@ class Context:
             for token in allow.unknown:
                 log.warning(f"allowed-devices: {escape(token)} matches no device on this node")
         return allow
+
+
+def open_run(*, root, ldcache, debug, user, config_path, load_kmods, no_pivot) -> Context:
+    """What the global options do before any command: the configuration (the file, then the
+    options over it), the ``--debug`` trace opened, and the run's Context. ``no_pivot`` is
+    accepted for nvidia-container-cli and has no effect."""
+    from ..config import load as configuration
+
+    cfg = configuration.load(config_path).with_overrides(root=root, ldcache=ldcache, debug=debug, user=user)
+    if cfg.debug:
+        log.open_debug(cfg.debug)
+        log.info(f"running {PROG} {__version__}: {' '.join(sys.argv[1:])}")
+        for line in cfg.report():
+            log.info(line)
+    if load_kmods:
+        log.warning("--load-kmods ignored: nvcontainer does not load kernel modules")
+    return Context(cfg)
 
 
 def parse_imex_channels(values) -> tuple[int, ...]:

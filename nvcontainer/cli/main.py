@@ -16,7 +16,7 @@ import click
 from .. import __version__, log
 from ..errors import NvcError, escape
 from . import cdi, config, configure, deviceplugin, doctor, dradriver, info, labels, mpsdaemon, ps, serve, setup, volume
-from .context import PROG, Context
+from .context import PROG, open_run
 from .list import list_
 
 
@@ -33,17 +33,8 @@ from .list import list_
 @click.pass_context
 def cli(ctx: click.Context, root, ldcache, debug, user, config_path, load_kmods, no_pivot) -> None:
     """Inject a host's NVIDIA driver and GPUs into containers."""
-    from ..config import load as configuration
-
-    cfg = configuration.load(config_path).with_overrides(root=root, ldcache=ldcache, debug=debug, user=user)
-    if cfg.debug:
-        log.open_debug(cfg.debug)
-        log.info(f"running {PROG} {__version__}: {' '.join(sys.argv[1:])}")
-        for line in cfg.report():
-            log.info(line)
-    if load_kmods:
-        log.warning("--load-kmods ignored: nvcontainer does not load kernel modules")
-    ctx.obj = Context(cfg)
+    ctx.obj = open_run(root=root, ldcache=ldcache, debug=debug, user=user, config_path=config_path,
+                       load_kmods=load_kmods, no_pivot=no_pivot)
 
 
 for command in (info.info, list_, configure.configure, cdi.cdi, doctor.doctor, serve.serve,
@@ -75,7 +66,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
 
 def main_nvidia_container_cli() -> int:
     """The ``nvidia-container-cli`` drop-in: the same program under upstream's name, for engines
-    that run that name with upstream's argv (containerd's ``ctr --gpus``)."""
+    that run that name with upstream's argv (containerd's ``ctr --gpus``). The installed program
+    starts at :func:`.nvcli.main_nvidia_container_cli`, which spares an engine's ``configure``
+    click's import; this entry, importing click already, reads every argv with it."""
     return main(prog="nvidia-container-cli")
 
 

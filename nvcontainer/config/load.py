@@ -25,14 +25,13 @@ anything taken from an image, so ``mount`` is refused with an explanation rather
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
 from ..records import replace
-from . import toolkit, values
+from . import values
 from .model import Config
 
 DEFAULT_PATH = "/etc/nvcontainer/config.toml"
@@ -41,6 +40,8 @@ CONFIG_CAP = 1 << 20
 
 
 def _shown(value: object) -> str:
+    import json   # on the way to an error only
+
     return escape(json.dumps(value, default=str), 80)
 
 
@@ -54,6 +55,8 @@ class _Reader:
         self.inert: list[str] = []
 
     def take(self, table: str, key: str, value: object, where: str | None = None) -> None:
+        from . import toolkit   # here: a start without a file does not import the file's layout
+
         name, check = toolkit.TABLES[table][key]
         where = where or toolkit.where(table, key)
         if name in self.named:
@@ -63,6 +66,8 @@ class _Reader:
         self.named[name] = where
 
     def table(self, table: str, data: dict) -> None:
+        from . import toolkit
+
         for key, value in data.items():
             path = f"{table}.{key}" if table else key
             if key in toolkit.TABLES.get(table, {}):

@@ -14,8 +14,7 @@ a room that needs a table of its own (nvcontainer's settings are ``[nvcontainer]
 
 from __future__ import annotations
 
-import json
-
+from .. import jsontext
 from . import values
 
 RUNTIME = "nvidia-container-runtime"
@@ -135,7 +134,7 @@ def _toml(value: object) -> str:
         return repr(value)
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return json.dumps(value)   # a TOML basic string for what these settings hold
+    return jsontext.dumps(value)   # a TOML basic string for what these settings hold
 
 
 def render(config) -> str:

@@ -9,8 +9,6 @@ close). The same checks serve the file and the global command-line options.
 
 from __future__ import annotations
 
-import re
-
 from ..errors import NvcError, escape
 
 CAPABILITIES = ("compat32", "compute", "display", "graphics", "ngx", "utility", "video")
@@ -49,6 +47,8 @@ def absolute(value: object, key: str) -> str:
 
 
 def user(value: object, key: str) -> str:
+    import re   # here: a start without a config file or --user imports no re (its milliseconds)
+
     if not isinstance(value, str) or not re.fullmatch(_USER, value):
         raise bad(key, value, "UID[:GID] (numbers or names)")
     return value
@@ -84,6 +84,8 @@ def capabilities(value: object, key: str) -> tuple[str, ...]:
 
 def _matching(items: list[str], key: str, pattern: str, want: str) -> tuple[str, ...]:
     """``items`` once each, in order, every one matching ``pattern``."""
+    import re
+
     for item in items:
         if not re.fullmatch(pattern, item):
             raise bad(key, item, want)
@@ -131,6 +133,8 @@ def device_tokens(value: object, key: str) -> tuple[str, ...] | None:
     tokens = str_list(value, key)
     if len(tokens) > MAX_ALLOWED:
         raise bad(key, f"{len(tokens)} entries", f"at most {MAX_ALLOWED} device tokens")
+    import re
+
     for token in tokens:
         if not re.fullmatch(_DEVICE_TOKEN, token):
             raise bad(key, token, "device tokens (an index, GPU-/MIG- UUID, PCI bus id, <gpu>:<mig> or all)")
@@ -148,6 +152,8 @@ def _short_list(value: object, key: str) -> list[str]:
 
 def program(value: object, key: str) -> str:
     """A program: a bare name (looked up on a fixed PATH, never the caller's) or an absolute path."""
+    import re
+
     if not isinstance(value, str) or not (re.fullmatch(_PROGRAM, value) or (value.startswith("/") and "\0" not in value)):
         raise bad(key, value, "a program name or an absolute path")
     return value
@@ -178,6 +184,8 @@ def absolute_list(value: object, key: str) -> tuple[str, ...]:
 
 
 def cdi_kind(value: object, key: str) -> str:
+    import re
+
     if not isinstance(value, str) or not re.fullmatch(_CDI_KIND, value):
         raise bad(key, value, "a CDI kind, vendor/class (nvidia.com/gpu)")
     return value

@@ -29,9 +29,12 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
 
 from . import syscalls
+
+TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:   # annotations only: collections.abc imports collections, a start's 1 ms
+    from collections.abc import Callable
 
 MAXSYMLINKS = 40  # the kernel's own limit, so both resolvers fail on the same trees
 _OPENAT2_RETRIES = 128  # EAGAIN/EXDEV come from concurrent renames/mounts; same bound as pathrs

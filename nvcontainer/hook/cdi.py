@@ -13,7 +13,6 @@ spec (the operator's file), never from the image.
 from __future__ import annotations
 
 import os
-import re
 import time
 
 from .. import log
@@ -40,7 +39,9 @@ _OPTIONS = {
 }
 _REPEATABLE = {"links", "folders"}
 SUBCOMMANDS = tuple(_OPTIONS)
-_MODIFY = re.compile(r"^(ModifyDeviceFiles:[ \t]*)1[ \t]*$", re.M)
+# compiled by re on first use: only disable-device-node-modification matches it, and the other
+# hooks (every container in CDI mode runs them) do not pay re's import
+_MODIFY = r"(?m)^(ModifyDeviceFiles:[ \t]*)1[ \t]*$"
 
 
 def parse_args(argv: list[str]) -> tuple[str, dict]:
@@ -87,9 +88,11 @@ def parse_link(value: str) -> tuple[str, str]:
 def params_without_modify(text: str | None) -> str | None:
     """The driver's ``params`` with ``ModifyDeviceFiles: 0``, or None when the host does not let
     NVML create device files anyway (or has no driver loaded): then there is nothing to hide."""
-    if text is None or not _MODIFY.search(text):
+    import re
+
+    if text is None or not re.search(_MODIFY, text):
         return None
-    return _MODIFY.sub(r"\g<1>0", text)
+    return re.sub(_MODIFY, r"\g<1>0", text)
 
 
 def main(argv: list[str]) -> int:

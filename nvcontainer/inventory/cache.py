@@ -37,10 +37,9 @@ Not visible without NVML: switching a GPU's MIG mode while creating no instance.
 from __future__ import annotations
 
 import binascii
-import json
 import os
 
-from .. import __version__, log
+from .. import __version__, jsontext, log
 from ..errors import escape
 from ..records import replace
 from . import procfs
@@ -140,7 +139,7 @@ def entry_name(inputs: dict) -> str:
     """One file per configuration; the boot and the version are checked inside, not named, so
     an entry is replaced rather than joined by a new one after a reboot or an upgrade."""
     what = {k: v for k, v in inputs.items() if k not in ("format", "version", "program")}
-    return f"{PREFIX}{binascii.crc32(json.dumps(what, sort_keys=True).encode()):08x}.json"
+    return f"{PREFIX}{binascii.crc32(jsontext.dumps(what, sort_keys=True).encode()):08x}.json"
 
 
 def machine_state(proc: str = "/proc") -> dict:

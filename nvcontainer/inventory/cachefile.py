@@ -12,12 +12,11 @@ after boot wait for one NVML initialisation, not 32.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 import time
 
-from .. import log
+from .. import jsontext, log
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
 from ..fs.private import flock_within, write_new
@@ -81,7 +80,7 @@ def read_entry(dfd: int, name: str) -> dict | None:
     finally:
         os.close(fd)
     try:
-        entry = json.loads(data)
+        entry = jsontext.loads(data)
     except (ValueError, RecursionError):
         log.warning(f"inventory cache entry {escape(name)} ignored: not JSON")
         return None
@@ -90,7 +89,7 @@ def read_entry(dfd: int, name: str) -> dict | None:
 
 def write_entry(dfd: int, name: str, record: dict) -> bool:
     """Replace ``name`` atomically; a failure costs the next start a rebuild, nothing more."""
-    data = json.dumps(record, separators=(",", ":")).encode()
+    data = jsontext.dumps(record, separators=(",", ":")).encode()
     tmp = f".{name}.{os.getpid()}.tmp"
     try:
         write_new(dfd, tmp, data)

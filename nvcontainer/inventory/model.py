@@ -137,26 +137,35 @@ class Inventory:
 def _build(cls, data):
     """Inverse of ``asdict`` for this module's dataclasses (tuples and nested nodes restored)."""
     kwargs = {}
-    for f in fields(cls):
-        if f.name not in data:
+    for name, convert in _plan(cls):
+        if name not in data:
             continue
-        value = data[f.name]
-        kwargs[f.name] = _convert(f.type, value)
+        value = data[name]
+        kwargs[name] = value if convert is None or value is None else convert(value)
     return cls(**kwargs)
 
 
 _TYPES = {c.__name__: c for c in (DeviceNode, MigDevice, Gpu, DriverFile, MigControl)}
+_PLANS: dict = {}
 
 
-def _convert(annotation: str, value):
+def _plan(cls) -> list:
+    """(field name, converter or None) of ``cls``: its annotations read once per class, not
+    once per value (a cache entry holds hundreds of values, read on every container start)."""
+    plan = _PLANS.get(cls)
+    if plan is None:
+        plan = _PLANS[cls] = [(f.name, _converter(f.type)) for f in fields(cls)]
+    return plan
+
+
+def _converter(annotation: str):
+    """What turns a (non-null) JSON value back into a value of this annotation; None: as it is."""
     ann = annotation.replace(" ", "")
-    if value is None:
-        return None
     for name, cls in _TYPES.items():
         if ann in (name, f"{name}|None"):
-            return _build(cls, value)
+            return lambda value, cls=cls: _build(cls, value)
         if ann == f"tuple[{name},...]":
-            return tuple(_build(cls, v) for v in value)
+            return lambda value, cls=cls: tuple(_build(cls, v) for v in value)
     if ann.startswith("tuple[tuple["):
-        return tuple(tuple(v) for v in value)
-    return value
+        return lambda value: tuple(tuple(v) for v in value)
+    return None

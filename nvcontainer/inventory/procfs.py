@@ -9,7 +9,6 @@ the commands always read the real procfs. Reads are bounded and never follow sym
 from __future__ import annotations
 
 import os
-import re
 import stat
 
 from ..fs.bounded import read_at_most
@@ -34,7 +33,10 @@ def read_text(path: str, limit: int = MAX_FILE) -> str | None:
         os.close(fd)
 
 
-_VERSION_RE = re.compile(r"Kernel Module(?:\s+for\s+\S+)?\s+(\d+(?:\.\d+)+)")
+# Compiled by re on first use: a hook's start reads neither file (its inventory is cached), and
+# importing re costs it milliseconds.
+_VERSION = r"Kernel Module(?:\s+for\s+\S+)?\s+(\d+(?:\.\d+)+)"
+_MINOR = r"^DeviceFileMinor:\s*(\d+)\s*$"
 
 
 def driver_version(proc: str = "/proc") -> str | None:
@@ -42,7 +44,9 @@ def driver_version(proc: str = "/proc") -> str | None:
     text = read_text(os.path.join(proc, DRIVER_DIR, "version"))
     if text is None:
         return None
-    m = _VERSION_RE.search(text)
+    import re
+
+    m = re.search(_VERSION, text)
     return m.group(1) if m else None
 
 
@@ -94,7 +98,9 @@ def cap_minor(proc: str, cap_path: str) -> int | None:
     text = read_text(os.path.join(proc, rel))
     if text is None:
         return None
-    m = re.search(r"^DeviceFileMinor:\s*(\d+)\s*$", text, re.M)
+    import re
+
+    m = re.search(_MINOR, text, re.M)
     return int(m.group(1)) if m else None
 
 

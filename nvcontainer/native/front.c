@@ -40,7 +40,7 @@ static const struct {
     {"nvidia-container-runtime-hook",
      "import sys;from nvcontainer.hook.main import main_nvidia_container_runtime_hook as m;sys.exit(m())"},
     {"nvidia-container-cli",
-     "import sys;from nvcontainer.cli.main import main_nvidia_container_cli as m;sys.exit(m())"},
+     "import sys;from nvcontainer.cli.nvcli import main_nvidia_container_cli as m;sys.exit(m())"},
 };
 
 static int is_hook(const char *name)

@@ -9,7 +9,6 @@ nothing else does.
 from __future__ import annotations
 
 import os
-import re
 
 from ..records import record
 from ..request import require
@@ -219,12 +218,38 @@ _MODIFY = r"(?m)^(ModifyDeviceFiles:\s*)\d+\s*$"   # compiled by re on first use
 PATTERNS = (_MODIFY,)
 
 
+_PARAM = "ModifyDeviceFiles:"
+_OTHER_SPACE = "\r\x0b\x0c\x1c\x1d\x1e\x1f"   # what re's \s matches beside space, tab and newline (ASCII)
+
+
+def _no_device_files(params: str) -> str:
+    """``re.sub(_MODIFY, r"\\g<1>0", params)``; without re (its import costs every start
+    milliseconds) for the driver's own layout: ASCII, one ``ModifyDeviceFiles: N`` per line,
+    each followed by the end or a line that starts with neither a blank nor whitespace (where
+    the pattern's whitespace cannot reach into the next line). Anything else goes to re."""
+    if params.isascii() and not any(c in params for c in _OTHER_SPACE):
+        lines = params.split("\n")
+        for i, line in enumerate(lines):
+            if not line.startswith(_PARAM):
+                continue
+            digits = line[len(_PARAM):].lstrip(" \t")
+            after = lines[i + 1][:1] if i + 1 < len(lines) else "end"
+            if not digits.isdigit() or after in ("", " ", "\t"):
+                break
+            lines[i] = line[:len(line) - len(digits)] + "0"
+        else:
+            return "\n".join(lines)
+    import re
+
+    return re.sub(_MODIFY, r"\g<1>0", params)
+
+
 def _proc_tmpfs(hostproc: HostProc, sel: Selection, mig_all: bool) -> Tmpfs:
     """A private ``/proc/driver/nvidia``: copies, with ``ModifyDeviceFiles: 0`` so NVML inside
     the container never re-creates device nodes, and mount points for what gets bound in."""
     files = []
     if hostproc.params is not None:
-        files.append(File(f"{PROC_DRIVER}/params", re.sub(_MODIFY, r"\g<1>0", hostproc.params)))
+        files.append(File(f"{PROC_DRIVER}/params", _no_device_files(hostproc.params)))
     if hostproc.version is not None:
         files.append(File(f"{PROC_DRIVER}/version", hostproc.version))
     if hostproc.registry is not None:

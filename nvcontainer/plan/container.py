@@ -9,7 +9,6 @@ pure; :func:`read_container` is the thin reader around it.
 from __future__ import annotations
 
 import os
-import re
 import stat
 
 from .. import log
@@ -62,6 +61,14 @@ def library_dirs(machine: str, debian: bool, has_lib32: bool, lib_is_lib64: bool
 
 def parse_compat_name(name: str) -> tuple[str, int] | None:
     """``libcuda.so.560.35.03`` → (``560.35.03``, 560); other names → None."""
+    if name.isascii():   # as the pattern reads it, without importing re (a start's milliseconds)
+        version = name[len("libcuda.so."):] if name.startswith("libcuda.so.") else ""
+        parts = version.split(".")
+        if 2 <= len(parts) <= 4 and all(0 < len(part) <= 6 and part.isdigit() for part in parts):
+            return version, int(parts[0])
+        return None
+    import re
+
     m = re.fullmatch(_COMPAT_NAME, name)
     if not m:
         return None

@@ -8,8 +8,6 @@ absolute paths on the host (the driver root prefix included).
 
 from __future__ import annotations
 
-import json
-
 from ..records import field, record
 
 # Mount options per class (REFERENCE §2.7); the apply layer maps them to MOUNT_ATTR_* flags.
@@ -140,6 +138,8 @@ class Plan:
         }
 
     def dumps(self) -> str:
+        import json   # --dry-run only
+
         return json.dumps(self.to_json(), indent=2) + "\n"
 
     def text(self) -> str:

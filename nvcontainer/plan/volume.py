@@ -15,7 +15,6 @@ running driver's version into containers that ask for it.
 from __future__ import annotations
 
 import os
-import re
 
 from ..errors import NvcError, escape
 from ..inventory.model import Inventory
@@ -25,8 +24,12 @@ CONTAINER_PATH = "/usr/local/nvidia"
 PREFIX = "nvidia_"
 LABEL = "com.nvidia.volumes.needed"
 LABEL_VALUE = "nvidia_driver"
-_VERSION = re.compile(r"[0-9]{1,6}(?:\.[0-9]{1,6}){0,3}")
-NAME = re.compile(PREFIX + r"([0-9]{1,6}(?:\.[0-9]{1,6}){0,3})")
+# Compiled by re on first use: the hook imports this module on every start, and only
+# nvidia-docker 1 images (the volume label) match either.
+_VERSION = r"[0-9]{1,6}(?:\.[0-9]{1,6}){0,3}"
+NAME = PREFIX + r"([0-9]{1,6}(?:\.[0-9]{1,6}){0,3})"
+# what nvcontainer serve compiles before it forks (serve/server.py preload), so no request does
+PATTERNS = (_VERSION, NAME)
 MAX_ENTRIES = 4096
 
 
@@ -45,7 +48,9 @@ def version_dir(base: str, version: str) -> str:
 
 
 def check_version(version: str) -> str:
-    if not _VERSION.fullmatch(version or ""):
+    import re
+
+    if not re.fullmatch(_VERSION, version or ""):
         raise NvcError("input", f"invalid driver version '{escape(version, 40)}' (expected digits and dots)")
     return version
 

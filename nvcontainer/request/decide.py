@@ -11,8 +11,6 @@ the inventory and happens when devices are selected.
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Iterable, Mapping   # not typing: its import costs a start 2 ms
 
 from ..config.values import CAPABILITIES
 from ..errors import NvcError, escape
@@ -21,7 +19,9 @@ from ..records import record
 from . import free, require
 
 TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # annotations only: collections.abc imports collections, a start's 1 ms
+    from collections.abc import Iterable, Mapping
+
     from ..config.model import Config
     from .oci import Mount
 
@@ -95,6 +95,10 @@ class Request:
 
 def device_kind(token: str) -> str | None:
     """Which id form ``token`` is written in, or None if none."""
+    if token.isascii() and token.isdigit() and len(token) <= 5:
+        return "index"   # the first form, the one most starts ask for: without re (see oci._unusable)
+    import re
+
     for kind, pattern in _DEVICE_FORMS:
         if re.fullmatch(pattern, token):
             return kind
@@ -201,6 +205,8 @@ def _capabilities(env: _Env, config: "Config", legacy: bool) -> tuple[str, ...]:
 
 def _legacy_requirement(cuda_version: str) -> str:
     """``cuda>=MAJOR.MINOR`` from an old image's CUDA_VERSION, read as Go's semver reads it."""
+    import re
+
     m = re.fullmatch(_SEMVER, cuda_version[1:] if cuda_version.startswith("v") else cuda_version)
     if not m or int(m.group(1)) >= 1 << 32 or int(m.group(2) or 0) >= 1 << 32:
         raise NvcError("input", f"CUDA_VERSION: invalid version '{escape(cuda_version, 80)}'")

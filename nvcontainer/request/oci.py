@@ -21,13 +21,12 @@ whichever comes first (:func:`read_state`).
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import select
 import stat
 import time
 
+from .. import jsontext
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
 from ..records import field, record
@@ -37,11 +36,21 @@ SPEC_CAP = 16 << 20
 PID_MAX_LIMIT = 1 << 22      # the kernel's ceiling for pid_max; every pid is below it
 STATE_SECONDS = 5.0          # for the state to arrive; runtimes write it at once
 
-# No path or environment entry can hold a NUL, and a lone surrogate (legal in JSON's \u escapes)
-# has no UTF-8 encoding: both would fail later, far from the input that caused them.
-_UNUSABLE = "[\x00\ud800-\udfff]"   # compiled by re on first use, and cached there
-# what nvcontainer serve compiles before it forks (serve/server.py preload), so no request does
-PATTERNS = (_UNUSABLE,)
+
+def _unusable(value: str) -> bool:
+    """Whether ``value`` holds a NUL or a lone surrogate (legal in JSON's \\u escapes, and the only
+    code points without a UTF-8 encoding). No path or environment entry can hold either: both
+    would fail later, far from the input that caused them. Checked on every string of a spec,
+    without ``re`` (its import costs a start several milliseconds)."""
+    if "\0" in value:
+        return True
+    if value.isascii():
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 @record
@@ -101,6 +110,14 @@ def _fold(key: str) -> str:
     return key.translate(_GO_FOLD)
 
 
+def _quoted(key: str) -> str:
+    """A key as JSON writes it, non-ASCII kept, for an error's message (``json`` is imported only
+    on the way to one)."""
+    import json
+
+    return json.dumps(key, ensure_ascii=False)
+
+
 def _get(obj: dict, name: str, where: str):
     """``obj[name]`` as both runtimes read it, or None when absent; refuses a key that runc
     (case-insensitive, last duplicate wins) and crun (exact, first duplicate wins) would read
@@ -113,11 +130,11 @@ def _get(obj: dict, name: str, where: str):
     if not matches:
         return None
     if len(matches) > 1:
-        keys = " and ".join(escape(json.dumps(key, ensure_ascii=False), 80) for key in matches[:3])
+        keys = " and ".join(escape(_quoted(key), 80) for key in matches[:3])
         raise NvcError("input", f"{where}: ambiguous keys {keys}: runc reads them as one field {name!r} "
                                 "(the last), crun only an exact, first one; refusing the spec")
     if matches[0] != name:
-        raise NvcError("input", f"{where}: key {escape(json.dumps(matches[0], ensure_ascii=False), 80)} is not {name!r}: runc reads it "
+        raise NvcError("input", f"{where}: key {escape(_quoted(matches[0]), 80)} is not {name!r}: runc reads it "
                                 "as that field, crun ignores it; refusing the spec")
     return obj[name]
 
@@ -130,7 +147,7 @@ def _unique(obj: dict, where: str) -> None:
         seen: set[str] = set()
         for key in written:
             if key in seen:
-                raise NvcError("input", f"{where}: duplicate key {escape(json.dumps(key, ensure_ascii=False), 80)}: runc keeps the last "
+                raise NvcError("input", f"{where}: duplicate key {escape(_quoted(key), 80)}: runc keeps the last "
                                         "value, crun the first; refusing the spec")
             seen.add(key)
 
@@ -146,7 +163,7 @@ def _loads(data: bytes, what: str, cap: int):
         raise NvcError("input", f"{what}: larger than {cap} bytes")
     try:
         text = bytes(data).decode("utf-8")
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_JsonObject.of)
+        return jsontext.loads(text, parse_constant=_reject_constant, object_pairs_hook=_JsonObject.of)
     except RecursionError:
         raise NvcError("input", f"{what}: JSON nested too deeply") from None
     except (ValueError, UnicodeError) as exc:   # JSONDecodeError is a ValueError
@@ -159,7 +176,7 @@ def _show(value: object) -> str:
         return "an object"
     if isinstance(value, list):
         return "a list"
-    return escape(json.dumps(value), 60)
+    return escape(jsontext.dumps(value), 60)
 
 
 def _object(value: object, where: str) -> dict:
@@ -173,7 +190,7 @@ def _string(value: object, where: str, *, nonempty: bool = False) -> str:
         raise NvcError("input", f"{where}: expected a string, got {_show(value)}")
     if nonempty and not value:
         raise NvcError("input", f"{where}: must not be empty")
-    if re.search(_UNUSABLE, value):
+    if _unusable(value):
         raise NvcError("input", f"{where}: contains a NUL or an unpaired surrogate: {escape(value)}")
     return value
 
@@ -287,7 +304,7 @@ def _complete(data: bytearray) -> bool:
         return False
     try:
         text = data.decode("utf-8")
-        _, stop = json.JSONDecoder().raw_decode(text, len(text) - len(text.lstrip()))
+        _, stop = jsontext.raw_decode(text, len(text) - len(text.lstrip()))
     except (ValueError, RecursionError):   # incomplete, or bad: the parser says which, at EOF
         return False
     return not text[stop:].strip(" \t\r\n")

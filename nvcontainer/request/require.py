@@ -17,11 +17,12 @@ and driver versions and the GPU it failed on.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Sequence   # not typing: its import costs a start 2 ms
-
 from ..errors import NvcError, escape
 from ..records import record
+
+TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:   # annotations only: collections.abc imports collections, a start's 1 ms
+    from collections.abc import Iterable, Sequence
 
 MAX_LENGTH = 4096
 MAX_EXPRESSIONS = 32
@@ -66,6 +67,8 @@ class Expression:
 
 
 def _version(text: str, what: str) -> tuple[int, ...]:
+    import re   # here: only images with requirements (NVIDIA_REQUIRE_*) pay its import
+
     if not re.fullmatch(_VERSION, text):
         raise NvcError("requirement", f"cannot compare versions: the {what} version is '{escape(text, 60)}'")
     return tuple(int(p) for p in text.split("."))
@@ -83,6 +86,8 @@ def _invalid(expr: str, term: str, why: str) -> NvcError:
 
 
 def _term(expr: str, text: str) -> Term:
+    import re
+
     m = re.fullmatch(_TERM, text)
     if not m:
         raise _invalid(expr, text, "expected <name><op><value> with op one of = != < <= > >=")

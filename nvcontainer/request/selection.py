@@ -12,8 +12,6 @@ in a request. It is checked here, where tokens meet devices, so no front end can
 
 from __future__ import annotations
 
-import re
-
 from ..errors import NvcError, escape
 from ..inventory.model import Gpu, Inventory, MigDevice
 from ..records import record
@@ -136,7 +134,11 @@ def _match(inv: Inventory, token: str) -> tuple[Gpu, MigDevice | None]:
         for gpu in inv.gpus:
             if gpu.uuid.lower().startswith(low):
                 return gpu, None
-    legacy = re.match(_LEGACY_MIG_RE, token)
+    if token.startswith("MIG-GPU-") or ":" in token:
+        # only for a token that a pattern may match (each asks for what is tested before it): a
+        # start that names its GPUs by index or UUID does not pay re's import
+        import re
+    legacy = token.startswith("MIG-GPU-") and re.match(_LEGACY_MIG_RE, token)
     if legacy:
         uuid, gi, ci = legacy.group(1).lower(), int(legacy.group(2)), int(legacy.group(3))
         for gpu in inv.gpus:
@@ -149,7 +151,7 @@ def _match(inv: Inventory, token: str) -> tuple[Gpu, MigDevice | None]:
             for mig in gpu.migs:
                 if mig.uuid == token:
                     return gpu, mig
-    bus = re.match(_BUS_RE, token)
+    bus = ":" in token and re.match(_BUS_RE, token)
     if bus and ("." in token or token.count(":") == 2):
         domain, b, d = (int(x, 16) for x in (bus.group(1) or "0", bus.group(2), bus.group(3)))
         wanted = f"{domain:08x}:{b:02x}:{d:02x}.0"
@@ -158,7 +160,7 @@ def _match(inv: Inventory, token: str) -> tuple[Gpu, MigDevice | None]:
                 return gpu, None
     if token.isascii() and token.isdigit() and len(token) <= 4 and int(token) < len(inv.gpus):
         return inv.gpus[int(token)], None
-    pair = re.match(_MIG_PAIR_RE, token)
+    pair = ":" in token and re.match(_MIG_PAIR_RE, token)
     if pair:
         i, j = int(pair.group(1)), int(pair.group(2))
         if i < len(inv.gpus):

@@ -60,10 +60,13 @@ CLIENT_GONE_GRACE = 0.1  # seconds a child may take to exit after its client hun
 def preload() -> None:
     """Import everything a GPU request touches, so that no child pays for an import (tomllib
     too: a node with a config.toml would otherwise import it in every request)."""
+    import fnmatch  # noqa: F401   (ld.so.conf's rare ? and [ globs, apply/ldsoconf.py)
+    import json  # noqa: F401   (what jsontext hands a document it does not parse: an error's message)
     import pickle  # noqa: F401   (handing a job to a standby worker)
+    import signal  # noqa: F401   (a signal's name in a worker's failure)
     import tomllib  # noqa: F401
 
-    from ..config import load, values  # noqa: F401
+    from ..config import load, toolkit, values  # noqa: F401
     from ..plan import gather as configure  # noqa: F401
     from ..hook import prestart as hook  # noqa: F401
     from ..request import decide, oci, require, selection
@@ -71,15 +74,18 @@ def preload() -> None:
     from ..apply import execute, ldconfig, mounter, pin, worker  # noqa: F401
     from ..cgroups import bpf, locate, rules, v1, v2  # noqa: F401
     from ..inventory import cache  # noqa: F401
-    from ..plan import build, container, model  # noqa: F401
+    from ..plan import build, container, model, volume  # noqa: F401
     from ..leases import grant, liveness, store  # noqa: F401   (free:N and exclusive-gpus starts)
     from ..request import free, placement  # noqa: F401
     from ..runtime import argv, bundle, edit, legacy, lowlevel, prepare  # noqa: F401   (the shim's front asks too)
 
     # The hook path's patterns are strings that re compiles on first use (a cold hook matches
     # few of them); compiled here, into re's cache, every child finds them ready.
-    for module in (values, decide, require, selection, oci, build, container):
-        for pattern in module.PATTERNS:
+    from ..cgroups.locate import PATTERNS as MOUNTINFO   # (cgroups.locate is also a function's name)
+
+    for patterns in (*(module.PATTERNS for module in (values, decide, require, selection, build, container, volume)),
+                     MOUNTINFO):
+        for pattern in patterns:
             re.compile(pattern)
 
 
