@@ -22,7 +22,7 @@ import pytest
 from nvcontainer.hook import client as hookclient
 from nvcontainer.native import build as native
 from tests.test_runtime_engines import CHECKS, Shim, assert_sees_only, bundle_without_hooks, facts, machine  # noqa: F401
-from tests.test_serve import in_world, server  # noqa: F401 (a fixture)
+from tests.test_serve import _request, in_world, server  # noqa: F401 (a fixture)
 
 RUNTIME_REQUEST = "runtime request from pid "
 
@@ -139,31 +139,8 @@ def test_a_front_of_another_install_or_a_bad_request_is_declined(server, tmp_pat
 
 
 def _send_as_child(sock: Path, python: str, args: list[str], env, fds) -> bytes:
-    """``_request`` with the header's PID set to the child that sends it."""
-    import socket as socketmod
-
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            os.close(r)
-            payload = _runtime_request(python, args, env).replace(b" 0 ", b" %d " % os.getpid(), 1)
-            s = socketmod.socket(socketmod.AF_UNIX, socketmod.SOCK_SEQPACKET)
-            s.connect(str(sock))
-            root = os.open("/", os.O_PATH)
-            s.sendmsg([payload], [(socketmod.SOL_SOCKET, socketmod.SCM_RIGHTS,
-                                   b"".join(fd.to_bytes(4, sys.byteorder) for fd in (*fds, root)))])
-            s.settimeout(30)
-            os.write(w, s.recv(4096) or b"<closed>")
-        except OSError as exc:
-            os.write(w, f"<{exc.strerror}>".encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as fh:
-        reply = fh.read()
-    os.waitpid(child, 0)
-    return reply
+    """A runtime request whose header names the PID of the child that sends it."""
+    return _request(sock, lambda pid: _runtime_request(python, args, env).replace(b" 0 ", b" %d " % pid, 1), fds)
 
 
 def test_the_server_answers_the_runtime_path_or_the_status(server, tmp_path, machine):

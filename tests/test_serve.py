@@ -268,8 +268,9 @@ def server(fake_machine, tmp_path):
     stop_server(proc)
 
 
-def _request(sock: Path, payload: bytes, fds=(0, 1, 2), uid: int | None = None) -> bytes:
-    """Send one raw request from a forked child (as ``uid`` if given); return the reply."""
+def _request(sock: Path, payload, fds=(0, 1, 2), uid: int | None = None) -> bytes:
+    """Send one raw request from a forked child (as ``uid`` if given); return the reply.
+    ``payload``: the bytes, or a function of the sending child's PID that makes them."""
     r, w = os.pipe()
     child = os.fork()
     if child == 0:
@@ -281,7 +282,8 @@ def _request(sock: Path, payload: bytes, fds=(0, 1, 2), uid: int | None = None) 
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             s.connect(str(sock))
             cwd = os.open("/", os.O_PATH)
-            s.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+            data = payload(os.getpid()) if callable(payload) else payload
+            s.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                    b"".join(fd.to_bytes(4, sys.byteorder) for fd in (*fds, cwd)))])
             s.settimeout(30)
             os.write(w, s.recv(4096) or b"<closed>")
