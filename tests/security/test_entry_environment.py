@@ -9,7 +9,8 @@ and a working directory holding modules named like ours or the standard library'
 
 Every installed name a runtime or engine executes (``nvcontainer-hook`` for the prestart and
 CDI hooks, ``nvidia-container-runtime-hook``, ``nvidia-container-cli``, the served native
-client's fallback) is run here with all of them planted, as a runtime would run it; each planted
+client's fallback, the runtime shim's front with its spec edit served or not) is run here with
+all of them planted, as a runtime would run it; each planted
 piece leaves a marker if it ever runs in a Python process, and none may appear. Then the same
 through real runc, with a prestart hook registered without ``env`` (runc then hands the hook its
 own environment, which here carries the plants).
@@ -174,6 +175,42 @@ def test_the_native_clients_fallback_runs_nothing_from_its_environment(plants, t
                          input=_state(bundle), capture_output=True, text=True, timeout=60)
     assert _planted_runs(markers) == [], res.stderr
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_the_runtime_front_runs_nothing_from_its_environment(plants, sec_machine, tmp_path, served):
+    """``nvidia-container-runtime`` on a GPU ``create``, as an engine runs it with the plants: its
+    spec edit done by ``nvcontainer serve``'s child (served) or by its own Python half (no server
+    at its socket); neither runs a planted piece, and the spec is edited either way. The
+    low-level runtime it then executes (``/bin/true`` here) gets the engine's environment, as
+    runc always does."""
+    from tests.test_serve import in_world
+
+    env, cwd, markers = plants
+    sock = tmp_path / "srv" / "hook.sock"
+    config = tmp_path / "config.toml"
+    config.write_text(f'[nvidia-container-cli]\nroot = "{sec_machine.root}"\n'
+                      f'[nvidia-container-runtime]\nruntimes = ["/bin/true"]\n'
+                      f'[nvidia-container-runtime-hook]\npath = "{BIN / "nvcontainer-hook"}"\n'
+                      f'[nvcontainer]\ncache-dir = "{tmp_path / "cache"}"\n')
+    front = tmp_path / "nvidia-container-runtime"
+    build.build_runtime(str(front), str(BIN / "python3"), str(config),
+                        defines=(f'NVC_SOCKET="{sock if served else tmp_path / "nobody.sock"}"',))
+    bundle = _bundle(tmp_path, ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=0"])
+    _clear(markers)
+    # in the fake machine's world (its /proc/driver/nvidia), beside a server; from the planted
+    # directory (sh changes to it: not a Python process) with the planted environment
+    step = {"argv": ["sh", "-c", 'cd "$0" && exec "$@"', str(cwd), str(front), "create", "--bundle", str(bundle),
+                     "planted"], "env": env, "pause": 0.2}
+    out = in_world(sec_machine, tmp_path, [step], str(sock))
+    res = subprocess.CompletedProcess(step["argv"], out["steps"][0]["rc"], out["steps"][0]["stdout"],
+                                      out["steps"][0]["stderr"])
+    assert _planted_runs(markers) == [], res.stderr
+    assert res.returncode == 0, res.stderr
+    spec = json.loads((bundle / "config.json").read_text())
+    assert [h["path"] for h in spec["hooks"]["prestart"]] == [str(BIN / "nvcontainer-hook")]
+    trace = (tmp_path / "serve.log").read_text() if served else ""
+    assert ("runtime request from pid " in trace) == served, trace
 
 
 def test_runc_hands_a_hook_without_env_its_own_environment_and_nothing_runs(plants, sec_machine, workdir):
