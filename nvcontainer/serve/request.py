@@ -107,7 +107,8 @@ def _real_dir(program: str) -> str:
 def _run_runtime(conn: socket.socket, argv: list[str]) -> int:
     """The runtime shim's Python half on the front's arguments; the answer is the runtime to
     execute (``runtime PATH``) or the exit status (``rc N``), its error line already on the
-    front's stderr. The front sent "/" and a clean environment's one variable."""
+    front's stderr. The front sent "/" as the working directory and no environment: ``PATH``
+    is set as the front sets it for its Python half."""
     from ..inventory.catalog import DEFAULT_PATH
     from ..runtime.prepare import PROG, run
 
@@ -123,7 +124,7 @@ def _run_runtime(conn: socket.socket, argv: list[str]) -> int:
         pass
     if status == 0 and runtime:
         return _answer(conn, f"runtime {runtime}", code=0)
-    return _answer(conn, f"rc {(status or 1) & 0xFF}", code=0)
+    return _answer(conn, f"rc {status & 0xFF or 1}", code=0)
 
 
 REPORT_TO: socket.socket | None = None   # the server's: where a request reports what it wrote
