@@ -137,7 +137,11 @@ def test_dockerd_with_the_daemon_json_setup_wrote(machine, node, tmp_path):
     assert (keep / "before.json").read_bytes() == (keep / "after.json").read_bytes()   # the shim left it alone
     spec = json.loads((keep / "after.json").read_text())
     hooks = [h["path"] for stage in (spec.get("hooks") or {}).values() for h in stage]
-    assert not [h for h in hooks if "hook" in os.path.basename(h)] and "195" not in json.dumps(spec["linux"])
+    assert not [h for h in hooks if "hook" in os.path.basename(h)]
+    # no NVIDIA device node or rule (major 195) added (a substring test would also match the
+    # container's random hex id, as it once did)
+    assert not [d for d in spec["linux"].get("devices") or [] if d.get("major") == 195 or "nvidia" in d["path"]]
+    assert not [r for r in (spec["linux"].get("resources") or {}).get("devices") or [] if r.get("major") == 195]
     assert facts(results[2][1])["OPEN0"] == ["absent"]          # runc, the default: no GPU
     assert_gpu0(*results[3], context)                          # --gpus: the hook setup put on dockerd's PATH
 
