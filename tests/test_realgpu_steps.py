@@ -155,6 +155,15 @@ class FakeNode:
     def say(self, line=""):
         self.text.append(line)
 
+    def run_step(self, step, image):
+        """One of realgpu_k8s's steps, then what it registered to undo, last first (as
+        ``Node.cleanup`` does)."""
+        try:
+            step(self, image)
+        finally:
+            for undo in reversed(self.undo):
+                undo()
+
     def block(self, title, result):
         self.text.append(f"[{title}] {result['rc']}")
 
@@ -174,11 +183,7 @@ class FakeNode:
 def test_the_dra_step_on_the_fake_machine(inv, tmp_path):
     machine, _ = inv
     node = FakeNode(machine, tmp_path)
-    try:
-        k8s.dra(node, tmp_path / "image")
-    finally:
-        for undo in reversed(node.undo):
-            undo()
+    node.run_step(k8s.dra, tmp_path / "image")
     out = node.report["dra"]
     assert out["problems"] == [] and all(not e for errors in out["api_validation"].values() for e in errors), out
     error, [(device, names)] = out["prepare"]
@@ -195,11 +200,7 @@ def test_the_mps_step_on_the_fake_machine(inv, tmp_path, monkeypatch):
     machine, inventory_ = inv
     monkeypatch.setattr(k8s, "CLIENT_WAIT", 0.5)      # the stand-in lists no servers or clients
     node = FakeNode(machine, tmp_path)
-    try:
-        k8s.mps(node, tmp_path / "image")
-    finally:
-        for undo in reversed(node.undo):
-            undo()
+    node.run_step(k8s.mps, tmp_path / "image")
     out = node.report["mps"]
     uuid = inventory_.gpus[0].uuid
     assert json.loads(out["ready"]) == {"uuid": uuid, "replicas": 2, "threads": 50,
@@ -221,11 +222,7 @@ def test_the_ps_step_on_the_fake_machine(inv, tmp_path):
     """The step's plumbing: the container's first line read, ``ps --json`` run and parsed."""
     machine, inventory_ = inv
     node = FakeNode(machine, tmp_path)
-    try:
-        k8s.ps(node, tmp_path / "image")
-    finally:
-        for undo in reversed(node.undo):
-            undo()
+    node.run_step(k8s.ps, tmp_path / "image")
     out = node.report["ps"]
     assert json.loads(out["program"])["process"]["args"] == ["/cudatest", "60"]
     assert out["ps"]["rc"] == 0, out["ps"]["stderr"]
