@@ -69,18 +69,9 @@ static const char *socket_path(int argc, char **argv)
     return path;
 }
 
-static int append(char *buf, size_t *used, const char *s, size_t len)
-{
-    if (len > MAX_REQUEST - *used)
-        return -1;
-    memcpy(buf + *used, s, len);
-    *used += len;
-    return 0;
-}
-
 /* The request bytes of hookclient.encode_request; -1 if over MAX_REQUEST (the Python client
  * would have its send refused by the server's size check and run in-process: so do we). */
-static long encode_request(char *buf, int argc, char **argv, mode_t mask)
+static long encode_request(char *buf, int argc, char **argv)
 {
     const char *env[2];
     static char pair[2][MAX_REQUEST];
@@ -95,18 +86,7 @@ static long encode_request(char *buf, int argc, char **argv, mode_t mask)
         env[nenv] = pair[nenv];
         nenv++;
     }
-    size_t used = 0;
-    int len = snprintf(buf, MAX_REQUEST, "NVC1 %d %u %d %d\n", (int)getpid(), (unsigned)mask, argc - 1, nenv);
-    if (len < 0 || len >= MAX_REQUEST)
-        return -1;
-    used = (size_t)len;
-    for (int i = 1; i < argc; i++)
-        if (append(buf, &used, argv[i], strlen(argv[i]) + 1) < 0)
-            return -1;
-    for (int i = 0; i < nenv; i++)
-        if (append(buf, &used, env[i], strlen(env[i]) + 1) < 0)
-            return -1;
-    return (long)used;
+    return nvc_encode(buf, MAX_REQUEST, "NVC1", argv + 1, argc - 1, env, nenv);
 }
 
 static void say(const char *path, const char *detail)
@@ -118,10 +98,8 @@ static void say(const char *path, const char *detail)
 static int forward(int argc, char **argv)
 {
     const char *path = socket_path(argc, argv);
-    mode_t mask = umask(022);
-    umask(mask);
     static char request[MAX_REQUEST];
-    long size = encode_request(request, argc, argv, mask);
+    long size = encode_request(request, argc, argv);
     if (size < 0)
         return -1;
     int cwd = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
@@ -133,10 +111,9 @@ static int forward(int argc, char **argv)
     close(cwd);
     if (got < 0)
         return -1;
-    if (got >= 9 && memcmp(reply, "declined ", 9) == 0)
-        return -1;
-    if (got > 3 && got < 8 && memcmp(reply, "rc ", 3) == 0 && strspn(reply + 3, "0123456789") == (size_t)(got - 3))
-        return atoi(reply + 3);
+    int status = nvc_status(reply, got);
+    if (status != -1)
+        return status == NVC_DECLINED ? -1 : status;
     say(path, nvc_printable(reply, got) ? reply : failure);
     return 1;
 }

@@ -127,6 +127,42 @@ static inline ssize_t nvc_ask(const char *path, const char *request, size_t size
     return got;
 }
 
+/* hook/client.py's encode_request with `magic` as its first word: "MAGIC <pid> <umask> <nwords>
+ * <nenv>\n", then each word and each NAME=value pair, each ending in NUL. -1 when it would not
+ * fit in cap (the server would refuse it by its size; the caller does the work itself). */
+static inline long nvc_encode(char *buf, size_t cap, const char *magic, char *const *words, int nwords,
+                              const char *const *env, int nenv)
+{
+    mode_t mask = umask(022);
+    umask(mask);
+    int len = snprintf(buf, cap, "%s %d %u %d %d\n", magic, (int)getpid(), (unsigned)mask, nwords, nenv);
+    if (len < 0 || (size_t)len >= cap)
+        return -1;
+    size_t used = (size_t)len;
+    for (int i = 0; i < nwords + nenv; i++) {
+        const char *s = i < nwords ? words[i] : env[i - nwords];
+        size_t n = strlen(s) + 1;
+        if (n > cap - used)
+            return -1;
+        memcpy(buf + used, s, n);
+        used += n;
+    }
+    return (long)used;
+}
+
+#define NVC_DECLINED (-2)
+
+/* The server's answer read as both clients read it: NVC_DECLINED ("declined ...": the caller
+ * does the work itself), the exit status of "rc N", or -1 for any other answer. */
+static inline int nvc_status(const char *reply, ssize_t got)
+{
+    if (got >= 9 && memcmp(reply, "declined ", 9) == 0)
+        return NVC_DECLINED;
+    if (got > 3 && got < 8 && memcmp(reply, "rc ", 3) == 0 && strspn(reply + 3, "0123456789") == (size_t)(got - 3))
+        return atoi(reply + 3);
+    return -1;
+}
+
 /* 1 if the answer is printable ASCII (then it may be shown as the server's words). */
 static inline int nvc_printable(const char *reply, ssize_t len)
 {

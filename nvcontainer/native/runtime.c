@@ -186,6 +186,8 @@ static void close_from(int low)
 
 /* The Python shim's argv (python ... -- ENGINE-ARGS), NULL-terminated; reply_fd: with
  * --reply-fd 3 (the child below), or without (the server's child answers on its socket). */
+#define PYTHON_WORDS 4   /* shim_args' "python -I -m nvcontainer.runtime", before the half's own */
+
 static char **shim_args(int argc, char **argv, const char *python, const char *cwd, int reply_fd)
 {
     char **args = calloc((size_t)argc + 16, sizeof *args);
@@ -224,25 +226,15 @@ __attribute__((unused)) static int ask_server(int argc, char **argv, const char 
     char **args = shim_args(argc, argv, python, cwd, 0);
     if (!args)
         return -1;
-    static char request[MAX_REQUEST];
-    mode_t mask = umask(022);
-    umask(mask);
+    /* the request's words: the interpreter, then the Python half's own arguments */
     int nargs = 0;
-    while (args[nargs + 4])
+    while (args[PYTHON_WORDS + nargs])
         nargs++;
-    int used = snprintf(request, sizeof request, "NVR1 %d %u %d 0\n", (int)getpid(), (unsigned)mask, nargs + 1);
-    for (int i = -1; i < nargs && used > 0; i++) {
-        const char *word = i < 0 ? python : args[i + 4];
-        size_t len = strlen(word) + 1;
-        if (len > sizeof request - (size_t)used)
-            used = -1;
-        else {
-            memcpy(request + used, word, len);
-            used += (int)len;
-        }
-    }
+    args[PYTHON_WORDS - 1] = (char *)python;
+    static char request[MAX_REQUEST];
+    long used = nvc_encode(request, sizeof request, "NVR1", args + PYTHON_WORDS - 1, nargs + 1, NULL, 0);
     free(args);
-    if (used <= 0)
+    if (used < 0)
         return -1;
     int null = open("/dev/null", O_RDWR | O_CLOEXEC);
     int root = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
@@ -256,10 +248,11 @@ __attribute__((unused)) static int ask_server(int argc, char **argv, const char 
         close(null);
     if (root >= 0)
         close(root);
-    if (got < 0 || (got >= 9 && memcmp(reply, "declined ", 9) == 0))
+    if (got < 0)
         return -1;
-    if (got > 3 && got < 8 && memcmp(reply, "rc ", 3) == 0 && strspn(reply + 3, "0123456789") == (size_t)(got - 3))
-        return atoi(reply + 3);
+    int status = nvc_status(reply, got);
+    if (status != -1)
+        return status == NVC_DECLINED ? -1 : status;
     if (got > 9 && memcmp(reply, "runtime /", 9) == 0 && nvc_printable(reply, got))
         return run_runtime(reply + 8, argc, argv);
     dprintf(2, "%s: runtime error: nvcontainer serve at %s: %s\n", prog, NVC_SOCKET,
