@@ -16,7 +16,9 @@ each round in turn (the order rotates round by round):
 * ``served``: ``--runtime=nvidia -e NVIDIA_VISIBLE_DEVICES=0``, the shim registered as
   ``nvcontainer setup docker`` writes it (``runtimes.nvidia.path``), its hook the native client
   of the resident ``nvcontainer serve``;
-* ``inprocess``: the same with the shim configured with the in-process hook (``nvcontainer-hook``);
+* ``inprocess``: a node whose ``nvcontainer serve`` is down: the same front, finding no server,
+  runs its Python half, and the in-process hook (``nvcontainer-hook --socket=``) does the run in
+  its own interpreter (without ``--socket=`` it would ask the server this world has);
 * ``nvidia`` / ``nvidia-nogpu``: NVIDIA's runtime 1.17.9 (legacy mode) + hook + cli 1.17.0 from
   ``../shared/anchors`` (benchmarks/nvidia.py), with and without the GPU; left out, and said so,
   without the tarball.
@@ -105,7 +107,17 @@ int main(int argc, char **argv) {
     close(p[1]);
     dup2(p[0], 0);
     close(p[0]);
+#ifdef EXTRA
+    char *args[256];
+    int k = 0;
+    args[k++] = argv[0];
+    args[k++] = EXTRA;
+    for (int i = 1; argv[i] && k < 255; i++) args[k++] = argv[i];
+    args[k] = NULL;
+    execv(REAL, args);
+#else
     execv(REAL, argv);
+#endif
     return 127;
 }
 """
@@ -150,15 +162,16 @@ exit 0
 """
 
 
-def chain(base: Path, real: Path | str) -> Path:
+def chain(base: Path, real: Path | str, extra: str | None = None) -> Path:
     """``base/nvidia-container-runtime-hook``: :data:`CHAIN_C` built to execute ``real`` (the name
-    a hook front answers to, as argv[0] goes through)."""
+    a hook front answers to, as argv[0] goes through), with ``extra`` as its first argument."""
     base.mkdir(parents=True, exist_ok=True)
     source = base / "chain.c"
     source.write_text(CHAIN_C)
     program = base / "nvidia-container-runtime-hook"
     cc = shutil.which("musl-gcc") or "gcc"
-    subprocess.run([cc, "-static", "-O2", f'-DREAL="{real}"', "-o", str(program), str(source)], check=True)
+    defines = [f'-DREAL="{real}"'] + ([f'-DEXTRA="{extra}"'] if extra is not None else [])
+    subprocess.run([cc, "-static", "-O2", *defines, "-o", str(program), str(source)], check=True)
     return program
 
 
@@ -181,11 +194,15 @@ def setup(base: Path, ws, machine, tarball: Path, debug: Path | None = None) -> 
     (etc / "nvidia-container-runtime").mkdir(parents=True)
     fronts = {}
     for arm, real in (("served", ws.native_client), ("inprocess", ws.hook)):
-        hook = chain(node / f"hook-{arm}", real)
+        # in-process: a node whose server is down. The front asks a socket nothing listens on and
+        # runs its Python half; the hook is told there is no server (by default nvcontainer-hook
+        # asks one that listens on /run/nvcontainer/hook.sock, and this world has one).
+        hook = chain(node / f"hook-{arm}", real, "--socket=" if arm == "inprocess" else None)
         config = shim_config(node / f"{arm}.toml", machine, hook, debug)
         front = node / arm / "nvidia-container-runtime"
         front.parent.mkdir()
-        native.build_runtime(str(front), str(ws.python), str(config))
+        down = ('NVC_SOCKET="/run/nvcontainer/down.sock"',) if arm == "inprocess" else ()
+        native.build_runtime(str(front), str(ws.python), str(config), defines=down)
         fronts[arm] = front
     # what `nvcontainer setup docker` writes (tests/test_engines_setup.py checks that form), and
     # one more runtime for the in-process configuration
@@ -216,7 +233,10 @@ def setup(base: Path, ws, machine, tarball: Path, debug: Path | None = None) -> 
     return daemon, etc, arms, about
 
 
-def run_world(base: Path, ws, machine, daemon: Path, etc: Path, arms: dict, rounds: int) -> tuple[dict, str]:
+def run_world(base: Path, ws, machine, daemon: Path, etc: Path, arms: dict, rounds: int,
+              roots: list[int] | None = None) -> tuple[dict, str]:
+    """Every arm ``rounds`` times; ``roots`` gets the pid of the world's first process (the root
+    of every process the runs make, for ``benchmarks.dockertrace``)."""
     argv = []
     for i, (arm, args) in enumerate(arms.items()):
         argv += (["--next"] if i else []) + [arm, *args]
@@ -225,7 +245,15 @@ def run_world(base: Path, ws, machine, daemon: Path, etc: Path, arms: dict, roun
     outer = ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--propagation", "private", "--",
              *fake_proc_command(machine, inner)]
     env = {"PATH": workspace.SERVER_ENV["PATH"], "HOME": str(base)}
-    res = subprocess.run(outer, capture_output=True, text=True, env=env, timeout=3600)
+    proc = subprocess.Popen(outer, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    if roots is not None:
+        roots.append(proc.pid)
+    try:
+        stdout, stderr = proc.communicate(timeout=3600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    res = subprocess.CompletedProcess(outer, proc.returncode, stdout, stderr)
     samples: dict[str, list[tuple[int, float, int]]] = {arm: [] for arm in arms}
     errors = []
     for line in res.stdout.splitlines():

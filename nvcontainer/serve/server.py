@@ -24,7 +24,9 @@ What keeps it from being a new way in:
   itself and hands the server a copy so the hang-up watch above still holds. It serves one request only, like
   any child; the time it saves is the copy-on-write faults a fresh child would take on the way.
   It warms only the pages requests were seen to write: now and then a request child reports
-  them on a datagram socket only this process and its children hold (:func:`_learn`);
+  them on a datagram socket only this process and its children hold (:func:`_learn`); and it
+  warms up under ``SCHED_IDLE``, lifted the moment a client comes (:mod:`.background`), so that
+  its warm-up never takes a CPU from the container the last request was for;
 * this process stays single-threaded, takes nothing from the client's environment but the two
   variables the hook reads (and its umask), and bounds the request (64 KiB, four fds).
 """
@@ -45,6 +47,7 @@ from .. import log
 from ..errors import NvcError
 from ..leases.grant import rehearse
 from ..leases.store import path_in
+from . import background
 from .leasewatch import LeaseWatch
 from .listen import adopt, listen
 from . import request
@@ -154,10 +157,11 @@ class _Spare:
     """The next request's child, forked ahead. ``notify``: where it hands over a copy of the
     connection it took, after which it is an ordinary request child."""
 
-    __slots__ = ("pid", "pidfd", "notify")
+    __slots__ = ("pid", "pidfd", "notify", "low")
 
-    def __init__(self, pid: int, pidfd: int, notify: socket.socket):
+    def __init__(self, pid: int, pidfd: int, notify: socket.socket, low: bool):
         self.pid, self.pidfd, self.notify = pid, pidfd, notify
+        self.low = low   # it warms up under SCHED_IDLE: lift it when a client comes (.background)
 
 
 LEASES: str | None = None   # the lease file of the server's configuration, rehearsed by spares
@@ -242,6 +246,8 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool, leases: Leas
             if spare is not None:   # the spare accepts; this process does only without one
                 poller.register(spare.notify.fileno(), select.POLLIN)
                 poller.register(spare.pidfd, select.POLLIN)
+                if spare.low:       # ... but lifts it when a client comes during its warm-up
+                    poller.register(sock.fileno(), select.POLLIN)
             elif len(children) < MAX_CHILDREN:
                 poller.register(sock.fileno(), select.POLLIN)
             by_conn = {}
@@ -253,6 +259,7 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool, leases: Leas
                 elif (left := req.overdue(time.monotonic())) is not None:
                     timeout = left if timeout is None else min(timeout, left)
             events = poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
+            polled_spare = spare
             if spare is not None and any(fd in (spare.notify.fileno(), spare.pidfd) for fd, _ in events):
                 taken = _taken(spare, children)
                 spare_failures = 0 if taken else spare_failures + 1
@@ -271,6 +278,9 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool, leases: Leas
                     _drain(wake_r)
                 elif fd == learn_r.fileno():
                     _learn(learn_r)
+                elif fd == sock.fileno() and polled_spare is not None:
+                    polled_spare.low = False
+                    background.lift(polled_spare.pid)
                 elif fd == sock.fileno():
                     _accept(sock, children)
                 elif fd in children:
@@ -391,7 +401,7 @@ def _fork_spare(sock: socket.socket) -> _Spare | None:
         finally:
             os._exit(code)
     theirs.close()
-    return _Spare(pid, os.pidfd_open(pid), ours)
+    return _Spare(pid, os.pidfd_open(pid), ours, background.may_lower())
 
 
 def _taken(spare: _Spare, children: dict) -> bool:
@@ -432,10 +442,16 @@ def _spare_child(sock: socket.socket, notify: socket.socket) -> int:
     # ahead too: after this process warmed up, a fork would share and write-protect its pages
     # again. Then the pages requests were seen to write, if known (apply/prewarm.py).
     standby.standby()
+    # The rest is for the next request, whenever it comes: only on CPUs nobody else wants
+    # (.background). Looked at once lowered: a client that came before the server could see
+    # this process low must not wait on it.
+    if background.lower() and client_waiting():
+        background.lift()
     if prewarm.LEARNED is not None:
         log.info(f"spare {os.getpid()}: warmed {prewarm.own_pages(client_waiting, prewarm.LEARNED) >> 10} KiB")
     if LEASES is not None and not client_waiting():
         rehearse(LEASES, INVENTORY)
+    background.lift()
     while True:
         select.select([sock], [], [])   # the server going away kills this child (PDEATHSIG)
         try:
