@@ -388,6 +388,37 @@ def test_spares_that_keep_dying_give_way_to_forking_per_request(server, tmp_path
     assert proc.poll() is None
 
 
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def test_the_ldconfig_sandboxes_share_the_servers_empty_namespaces(server, tmp_path):
+    """The server makes one set of empty network, IPC and UTS namespaces and holds it; the
+    standby worker (the next ldconfig sandbox) is in it, not in the server's own nor in one of
+    its own (docs/security.md, "The ldconfig sandbox's namespaces")."""
+    proc, _sock = server
+    kinds = ("net", "ipc", "uts")
+    held = {}
+    for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.split(":", 1)[0] in kinds:
+            held[link.split(":", 1)[0]] = link
+    own = {kind: os.readlink(f"/proc/{proc.pid}/ns/{kind}") for kind in kinds}
+    assert sorted(held) == sorted(kinds)
+    assert all(held[kind] != own[kind] for kind in kinds)
+    end = time.monotonic() + 10
+    standbys: list[int] = []
+    while time.monotonic() < end and not standbys:   # the spare forks its standby when idle
+        standbys = [c for spare in _children(proc.pid) for c in _children(spare)]
+        time.sleep(0.05)
+    assert standbys, "no standby worker appeared"
+    assert {kind: os.readlink(f"/proc/{standbys[0]}/ns/{kind}") for kind in kinds} == held
+
+
 def test_a_second_server_on_the_same_socket_is_refused(server, fake_machine):
     _proc, sock = server
     res = subprocess.run([sys.executable, "-I", "-m", "nvcontainer", "--root", str(fake_machine.root), "serve",
