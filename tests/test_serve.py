@@ -42,10 +42,13 @@ IN_PROCESS = [sys.executable, "-I", "-m", "nvcontainer.hook"]
 DRIVER = textwrap.dedent(r"""
     import json, os, select, signal, subprocess, sys, time
     sock, root, steps, debug = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
-    server = subprocess.Popen([sys.executable, "-I", "-m", "nvcontainer", "--root", root, "--debug", debug,
+    flags = os.environ.get("NVC_TEST_SERVER_FLAGS", "").split()   # interpreter flags (-X importtime)
+    server = subprocess.Popen([sys.executable, "-I", *flags, "-m", "nvcontainer", "--root", root, "--debug", debug,
                                "serve", "--socket", sock, *sys.argv[5:]], stderr=subprocess.PIPE, text=True)
-    first = server.stderr.readline()
-    out = {"ready": first, "steps": []}
+    first, imports = server.stderr.readline(), ""
+    while first.startswith("import time:"):   # the server's own imports, with -X importtime
+        imports, first = imports + first, server.stderr.readline()
+    out = {"ready": first, "steps": [], "imports_before_ready": imports}
     def spares():
         found = []
         for _ in range(200):
@@ -224,6 +227,36 @@ def test_spares_warm_only_what_a_request_wrote(fake_machine, tmp_path, bundle, p
     # the spares after the report warmed (the spare of the 3rd request, and the last one)
     assert len(warmed) >= 2 and all(0 < kib <= learned[0] for kib in warmed), trace
     assert trace.index("spares warm") < trace.index(": warmed")
+
+
+def test_spares_and_requests_import_nothing(fake_machine, tmp_path, monkeypatch, native_client):
+    """Whatever a spare, its standby worker and a GPU start (runc, the mounts, the ldconfig
+    sandbox) run was imported by the server before it listened: an import in a spare is paid
+    again by every spare (the standby module was, 1.3 ms a start in the spare). With
+    ``-X importtime`` every process of the server's tree reports its own imports on the
+    server's stderr."""
+    monkeypatch.setenv("NVC_TEST_SERVER_FLAGS", "-X importtime")
+    sock = str(tmp_path / "srv" / "hook.sock")
+    log = tmp_path / "hook.log"
+
+    def served_hook(spec):
+        entry = spec["hooks"]["prestart"][1]
+        entry["args"] = [native_client, "--socket", sock, "--root", str(fake_machine.root), "--debug", str(log),
+                         "prestart"]
+        entry["path"] = entry["args"][0]
+
+    bundle = rt.make_bundle(tmp_path, fake_machine, ["NVIDIA_VISIBLE_DEVICES=0"], 'echo "DONE:ok"\n',
+                            extra_spec=served_hook)
+    state_dir = tmp_path / "state"
+    run = ["runc", "--root", str(state_dir), "run", "--bundle", str(bundle), bundle.name]
+    delete = ["runc", "--root", str(state_dir), "delete", "-f", bundle.name]
+    out = in_world(fake_machine, tmp_path, [{"argv": run, "pause": 0.5}, {"argv": delete}] * 2, sock)
+    assert all(step["rc"] == 0 for step in out["steps"]), out["steps"]
+    assert rt.parse_facts(out["steps"][2]["stdout"])["DONE"] == ["ok"]
+    assert log.read_text().count("mount worker: handed to the standby worker, pid ") == 2
+    assert "nvcontainer.serve.server" in out["imports_before_ready"]   # the flag reached the server
+    late = [line for line in out["server_stderr"].splitlines() if line.startswith("import time:")]
+    assert late == []
 
 
 def test_without_spares_each_request_gets_a_fresh_child(fake_machine, tmp_path, bundle, pid):
