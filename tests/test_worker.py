@@ -427,7 +427,7 @@ def held_namespaces(monkeypatch):
     from nvcontainer.apply import ns
 
     held = ns.empty_namespaces(worker.ISOLATION)
-    monkeypatch.setattr(worker, "SHARED_ISOLATION", held)
+    monkeypatch.setattr(ns, "SANDBOX_NAMESPACES", held)
     kinds = {ns.CLONE_NEWNET: "net", ns.CLONE_NEWIPC: "ipc", ns.CLONE_NEWUTS: "uts"}
     yield {kinds[kind]: os.readlink(f"/proc/self/fd/{fd}") for fd, kind in held}
     for fd, _ in held:

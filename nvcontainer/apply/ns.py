@@ -35,6 +35,7 @@ __all__ = [
     "setns",
     "fork_isolated",
     "empty_namespaces",
+    "isolate",
     "unshare",
     "pivot_root",
     "clear_capabilities",
@@ -108,8 +109,9 @@ def empty_namespaces(flags: int) -> list[tuple[int, int]]:
     makes them (this process stays in its own) and is reaped before this returns; an
     ``OSError`` says they could not be made. Entering a held network namespace costs a
     ``setns``; making one costs a loopback device, its sysctls and a deferred teardown
-    (about 1-3 ms of CPU, docs/performance.md), which ``nvcontainer serve`` pays once instead of
-    once per ldconfig sandbox (docs/security.md, "The ldconfig sandbox's namespaces")."""
+    (0.6-0.8 ms of CPU with the IPC and UTS ones, and the kernel thread's share; docs/performance.md),
+    which ``nvcontainer serve`` pays once instead of once per ldconfig sandbox (docs/security.md,
+    "The ldconfig sandbox's namespaces")."""
     names = [(CLONE_NEWNET, "net"), (CLONE_NEWIPC, "ipc"), (CLONE_NEWUTS, "uts")]
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     done_r, done_w = os.pipe2(os.O_CLOEXEC)
@@ -143,6 +145,23 @@ def empty_namespaces(flags: int) -> list[tuple[int, int]]:
         os.close(done_w)
         os.waitpid(pid, 0)
     return held
+
+
+# Held (fd, type) of empty network, IPC and UTS namespaces that :func:`isolate` enters instead
+# of making new ones: set by ``nvcontainer serve`` (inherited by its children); empty elsewhere.
+SANDBOX_NAMESPACES: list[tuple[int, int]] = []
+
+
+def isolate(flags: int) -> None:
+    """Leave for network, IPC and UTS namespaces (``flags``) apart from the host's: the held
+    :data:`SANDBOX_NAMESPACES` when there are some (making them per start cost 0.6-0.8 ms of
+    CPU, and the kernel's deferred teardown of each network namespace more; docs/security.md
+    says why sharing them is safe), else new ones."""
+    if SANDBOX_NAMESPACES:
+        for fd, kind in SANDBOX_NAMESPACES:
+            setns(fd, kind)
+    else:
+        unshare(flags)
 
 
 def pivot_root(new_root: str, put_old: str) -> None:

@@ -25,11 +25,10 @@ the second step's name and category, as a worker of its own would.
 
 A worker started ``isolated`` is born init of a new PID namespace, in new network, IPC and
 UTS namespaces: the ldconfig sandbox's (:mod:`.sandbox`), taken at birth so the sandbox is the
-worker itself and costs no second fork. Under ``nvcontainer serve`` the network, IPC and UTS
-namespaces are empty ones the server made once (:data:`SHARED_ISOLATION`): making a network
-namespace per start cost more CPU than any other step of the sandbox. Such a worker may end by executing a program whose
-output is its reply pipe (:func:`output_follows`): the parent then gets the program's exit
-status and the tail of its output instead of a JSON answer.
+worker itself and costs no second fork (under ``nvcontainer serve``, the network, IPC and UTS
+ones are an empty set the server made once: :func:`.ns.isolate`). Such a worker may end by
+executing a program whose output is its reply pipe (:func:`output_follows`): the parent then
+gets the program's exit status and the tail of its output instead of a JSON answer.
 
 The parent never starts threads: ``fork()`` in a threaded Python can deadlock on locks held by
 other threads, and ``setns(CLONE_NEWNS)`` in the child would fail anyway.
@@ -59,10 +58,6 @@ MAX_REPLY = 1 << 20
 MAX_OUTPUT = 64 << 10  # the tail of a program's output kept (see output_follows)
 ISOLATION = ns.CLONE_NEWNET | ns.CLONE_NEWIPC | ns.CLONE_NEWUTS   # and a new PID namespace
 _EXEC_FRAME = b'{"exec": true}\n'
-# Held (fd, type) of empty network, IPC and UTS namespaces that isolated workers enter instead
-# of making their own (set by ``nvcontainer serve``, inherited by its children; see
-# :func:`.ns.empty_namespaces` and docs/security.md). Empty: each makes its own.
-SHARED_ISOLATION: list[tuple[int, int]] = []
 _REAP_GRACE = 2.0      # seconds to wait for a SIGKILLed child before leaving it unreaped
 
 
@@ -461,12 +456,8 @@ def become_worker(parent: int, keep: list[int], wfd: int, parent_fd: int | None 
         orphaned = bool(select.select([parent_fd], [], [], 0)[0])   # a pidfd reads ready once its process exited
     if orphaned:
         os._exit(1)
-    if parent_fd is not None:   # an OSError: the worker's failure (the standby's: none comes)
-        if SHARED_ISOLATION:
-            for fd, kind in SHARED_ISOLATION:
-                ns.setns(fd, kind)
-        else:
-            ns.unshare(ISOLATION)
+    if parent_fd is not None:
+        ns.isolate(ISOLATION)   # an OSError: the worker's failure (the standby's: none comes)
     prctl.set_dumpable(False)
     os.setpgid(0, 0)
     # Objects the parent left for the cycle collector may own fds; collected here, they would

@@ -138,7 +138,7 @@ def _hold_sandbox_namespaces() -> None:
     from ..apply import ns, worker
 
     try:
-        worker.SHARED_ISOLATION = ns.empty_namespaces(worker.ISOLATION)
+        ns.SANDBOX_NAMESPACES = ns.empty_namespaces(worker.ISOLATION)
     except OSError as exc:
         log.warning(f"ldconfig sandboxes make their own namespaces: {exc.strerror}")
 
