@@ -108,10 +108,10 @@ def empty_namespaces(flags: int) -> list[tuple[int, int]]:
     close-on-exec fds: ``[(fd, type), ...]``, for :func:`setns` to enter. A short-lived child
     makes them (this process stays in its own) and is reaped before this returns; an
     ``OSError`` says they could not be made. Entering a held network namespace costs a
-    ``setns``; making one costs a loopback device, its sysctls and a deferred teardown
-    (0.6-0.8 ms of CPU with the IPC and UTS ones, and the kernel thread's share; docs/performance.md),
-    which ``nvcontainer serve`` pays once instead of once per ldconfig sandbox (docs/security.md,
-    "The ldconfig sandbox's namespaces")."""
+    ``setns``; making one costs a loopback device, its sysctls and a deferred teardown (0.6-0.8
+    ms of CPU with the IPC and UTS ones, and the kernel thread's share; docs/performance.md),
+    which ``nvcontainer serve`` pays once instead of once per ldconfig sandbox
+    (docs/security.md, "The ldconfig sandbox's namespaces")."""
     names = [(CLONE_NEWNET, "net"), (CLONE_NEWIPC, "ipc"), (CLONE_NEWUTS, "uts")]
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     done_r, done_w = os.pipe2(os.O_CLOEXEC)
