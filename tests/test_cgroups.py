@@ -241,6 +241,28 @@ def test_find_mount_nested_root_is_stripped():
         find_cgroup_mount(lines, 1, "/docker/abcdef")
 
 
+def test_find_mount_asks_about_visibility_only_for_the_mounts_it_could_pick():
+    """A covered mount counts as absent (the next one of its hierarchy is taken), and the
+    visibility check (system calls per line) is made for the devices or cgroup2 lines only,
+    up to the first that fits: not for the dozen other v1 hierarchies a host lists."""
+    lines = MOUNTINFO.splitlines()
+    asked: list[str] = []
+
+    def covered_devices(line: str) -> bool:
+        asked.append(line.split(" ", 1)[0])
+        return line.split(" ", 1)[0] != "36"
+
+    assert find_cgroup_mount(lines, 1, "/docker/abc", covered_devices) == CgroupMount("/", "/mnt/devices copy")
+    assert asked == ["36", "50"]
+    asked.clear()
+    assert find_cgroup_mount(lines, 2, "/x", covered_devices) == CgroupMount("/", "/sys/fs/cgroup/unified")
+    assert asked == ["41"]
+    asked.clear()
+    with pytest.raises(NvcError, match="no devices cgroup \\(v1\\) mount found"):
+        find_cgroup_mount(lines, 1, "/a", lambda line: asked.append(line) and False)
+    assert len(asked) == 2   # the two devices lines, both covered: as if neither were listed
+
+
 def test_find_mount_errors():
     with pytest.raises(NvcError, match="outside this cgroup namespace"):
         find_cgroup_mount(["41 31 0:38 /.. /sys/fs/cgroup rw - cgroup2 cgroup2 rw"], 2, "/a")

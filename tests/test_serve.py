@@ -42,10 +42,13 @@ IN_PROCESS = [sys.executable, "-I", "-m", "nvcontainer.hook"]
 DRIVER = textwrap.dedent(r"""
     import json, os, select, signal, subprocess, sys, time
     sock, root, steps, debug = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
-    server = subprocess.Popen([sys.executable, "-I", "-m", "nvcontainer", "--root", root, "--debug", debug,
+    flags = os.environ.get("NVC_TEST_SERVER_FLAGS", "").split()   # interpreter flags (-X importtime)
+    server = subprocess.Popen([sys.executable, "-I", *flags, "-m", "nvcontainer", "--root", root, "--debug", debug,
                                "serve", "--socket", sock, *sys.argv[5:]], stderr=subprocess.PIPE, text=True)
-    first = server.stderr.readline()
-    out = {"ready": first, "steps": []}
+    first, imports = server.stderr.readline(), ""
+    while first.startswith("import time:"):   # the server's own imports, with -X importtime
+        imports, first = imports + first, server.stderr.readline()
+    out = {"ready": first, "steps": [], "imports_before_ready": imports}
     def spares():
         found = []
         for _ in range(200):
@@ -226,6 +229,36 @@ def test_spares_warm_only_what_a_request_wrote(fake_machine, tmp_path, bundle, p
     assert trace.index("spares warm") < trace.index(": warmed")
 
 
+def test_spares_and_requests_import_nothing(fake_machine, tmp_path, monkeypatch, native_client):
+    """Whatever a spare, its standby worker and a GPU start (runc, the mounts, the ldconfig
+    sandbox) run was imported by the server before it listened: an import in a spare is paid
+    again by every spare (the standby module was, 1.3 ms a start in the spare). With
+    ``-X importtime`` every process of the server's tree reports its own imports on the
+    server's stderr."""
+    monkeypatch.setenv("NVC_TEST_SERVER_FLAGS", "-X importtime")
+    sock = str(tmp_path / "srv" / "hook.sock")
+    log = tmp_path / "hook.log"
+
+    def served_hook(spec):
+        entry = spec["hooks"]["prestart"][1]
+        entry["args"] = [native_client, "--socket", sock, "--root", str(fake_machine.root), "--debug", str(log),
+                         "prestart"]
+        entry["path"] = entry["args"][0]
+
+    bundle = rt.make_bundle(tmp_path, fake_machine, ["NVIDIA_VISIBLE_DEVICES=0"], 'echo "DONE:ok"\n',
+                            extra_spec=served_hook)
+    state_dir = tmp_path / "state"
+    run = ["runc", "--root", str(state_dir), "run", "--bundle", str(bundle), bundle.name]
+    delete = ["runc", "--root", str(state_dir), "delete", "-f", bundle.name]
+    out = in_world(fake_machine, tmp_path, [{"argv": run, "pause": 0.5}, {"argv": delete}] * 2, sock)
+    assert all(step["rc"] == 0 for step in out["steps"]), out["steps"]
+    assert rt.parse_facts(out["steps"][2]["stdout"])["DONE"] == ["ok"]
+    assert log.read_text().count("mount worker: handed to the standby worker, pid ") == 2
+    assert "nvcontainer.serve.server" in out["imports_before_ready"]   # the flag reached the server
+    late = [line for line in out["server_stderr"].splitlines() if line.startswith("import time:")]
+    assert late == []
+
+
 def test_without_spares_each_request_gets_a_fresh_child(fake_machine, tmp_path, bundle, pid):
     write_config(bundle, ["NVIDIA_VISIBLE_DEVICES=0"])
     sock = str(tmp_path / "srv" / "hook.sock")
@@ -386,6 +419,37 @@ def test_spares_that_keep_dying_give_way_to_forking_per_request(server, tmp_path
     # still serving, now from a child forked for the connection
     assert _request(sock, b"NVC1 1 18 1 0\nprestart\0") == b"declined client in another PID namespace"
     assert proc.poll() is None
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def test_the_ldconfig_sandboxes_share_the_servers_empty_namespaces(server, tmp_path):
+    """The server makes one set of empty network, IPC and UTS namespaces and holds it; the
+    standby worker (the next ldconfig sandbox) is in it, not in the server's own nor in one of
+    its own (docs/security.md, "The ldconfig sandbox's namespaces")."""
+    proc, _sock = server
+    kinds = ("net", "ipc", "uts")
+    held = {}
+    for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.split(":", 1)[0] in kinds:
+            held[link.split(":", 1)[0]] = link
+    own = {kind: os.readlink(f"/proc/{proc.pid}/ns/{kind}") for kind in kinds}
+    assert sorted(held) == sorted(kinds)
+    assert all(held[kind] != own[kind] for kind in kinds)
+    end = time.monotonic() + 10
+    standbys: list[int] = []
+    while time.monotonic() < end and not standbys:   # the spare forks its standby when idle
+        standbys = [c for spare in _children(proc.pid) for c in _children(spare)]
+        time.sleep(0.05)
+    assert standbys, "no standby worker appeared"
+    assert {kind: os.readlink(f"/proc/{standbys[0]}/ns/{kind}") for kind in kinds} == held
 
 
 def test_a_second_server_on_the_same_socket_is_refused(server, fake_machine):

@@ -420,6 +420,60 @@ def test_an_isolated_worker_is_born_in_namespaces_of_its_own(tmp_path):
     assert plain["namespaces"] == before
 
 
+@pytest.fixture
+def held_namespaces(monkeypatch):
+    """Empty network, IPC and UTS namespaces held as ``nvcontainer serve`` holds them, set as
+    the ones isolated workers enter; their ``/proc/.../ns`` names, by kind."""
+    from nvcontainer.apply import ns
+
+    held = ns.empty_namespaces(worker.ISOLATION)
+    monkeypatch.setattr(ns, "SANDBOX_NAMESPACES", held)
+    kinds = {ns.CLONE_NEWNET: "net", ns.CLONE_NEWIPC: "ipc", ns.CLONE_NEWUTS: "uts"}
+    yield {kinds[kind]: os.readlink(f"/proc/self/fd/{fd}") for fd, kind in held}
+    for fd, _ in held:
+        os.close(fd)
+
+
+def test_isolated_workers_enter_the_held_namespaces_instead_of_making_their_own(tmp_path, held_namespaces,
+                                                                                 no_standby_left):
+    """Under the server every ldconfig sandbox shares one set of empty network, IPC and UTS
+    namespaces (docs/security.md); the PID namespace stays each worker's own, and neither
+    the held set nor the worker's is the parent's."""
+    ours = namespaces("self")
+    assert sorted(held_namespaces) == ["ipc", "net", "uts"]
+    assert all(held_namespaces[kind] != ours[kind] for kind in held_namespaces)
+    (tmp_path / "kept").write_text("kept file")
+    kept = os.open(tmp_path / "kept", os.O_RDONLY)
+    try:
+        forked = [worker.run(job_facts, kept, kept, deadline=10, name="isolated", keep_fds=[kept], isolated=True)
+                  for _ in range(2)]
+        assert standby.standby()
+        handed = worker.run(job_facts, kept, kept, deadline=10, name="standby", keep_fds=[kept])
+    finally:
+        os.close(kept)
+    for reply in (*forked, handed):
+        assert (reply["pid"], reply["ppid"], reply["read"]) == (1, 0, "kept file")
+        assert {kind: reply["namespaces"][kind] for kind in held_namespaces} == held_namespaces
+        assert reply["namespaces"]["pid"] != ours["pid"] and reply["namespaces"]["mnt"] == ours["mnt"]
+    assert forked[0]["namespaces"]["pid"] != forked[1]["namespaces"]["pid"]
+    assert namespaces("self") == ours
+
+
+def test_held_namespaces_are_made_without_moving_the_caller():
+    from nvcontainer.apply import ns
+
+    before = namespaces("self")
+    held = ns.empty_namespaces(ns.CLONE_NEWNET)
+    try:
+        assert [kind for _, kind in held] == [ns.CLONE_NEWNET]
+        assert os.readlink(f"/proc/self/fd/{held[0][0]}").startswith("net:[")
+        assert os.readlink(f"/proc/self/fd/{held[0][0]}") != before["net"]
+        assert os.get_inheritable(held[0][0]) is False
+    finally:
+        os.close(held[0][0])
+    assert namespaces("self") == before
+
+
 def test_a_job_the_standby_cannot_take_goes_to_a_forked_worker(no_standby_left):
     assert standby.standby()
     standby_pid = worker._standby.pid

@@ -2,7 +2,8 @@
 
 Everything here runs in a worker started ``isolated`` (:mod:`.worker`): init of a new PID
 namespace, in new network, IPC and UTS namespaces, all taken when it was forked (for a
-resident server's standby worker, ahead of the request). Once in the container's mount
+resident server's standby worker, ahead of the request; under the server the network, IPC and
+UTS ones are the empty set it holds, docs/security.md). Once in the container's mount
 namespace it leaves for a private copy, binds the rootfs as ``/`` (nosuid, nodev, every mount
 below read-only), mounts a fresh procfs, covers ``/sys`` and ``/dev``, drops every capability,
 sets ``no_new_privs``, rlimits, an empty environment and only the fds ldconfig needs, with the

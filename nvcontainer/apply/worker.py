@@ -25,9 +25,10 @@ the second step's name and category, as a worker of its own would.
 
 A worker started ``isolated`` is born init of a new PID namespace, in new network, IPC and
 UTS namespaces: the ldconfig sandbox's (:mod:`.sandbox`), taken at birth so the sandbox is the
-worker itself and costs no second fork. Such a worker may end by executing a program whose
-output is its reply pipe (:func:`output_follows`): the parent then gets the program's exit
-status and the tail of its output instead of a JSON answer.
+worker itself and costs no second fork (under ``nvcontainer serve``, the network, IPC and UTS
+ones are an empty set the server made once: :func:`.ns.isolate`). Such a worker may end by
+executing a program whose output is its reply pipe (:func:`output_follows`): the parent then
+gets the program's exit status and the tail of its output instead of a JSON answer.
 
 The parent never starts threads: ``fork()`` in a threaded Python can deadlock on locks held by
 other threads, and ``setns(CLONE_NEWNS)`` in the child would fail anyway.
@@ -456,7 +457,7 @@ def become_worker(parent: int, keep: list[int], wfd: int, parent_fd: int | None 
     if orphaned:
         os._exit(1)
     if parent_fd is not None:
-        ns.unshare(ISOLATION)   # an OSError: the worker's failure (the standby's: none comes)
+        ns.isolate(ISOLATION)   # an OSError: the worker's failure (the standby's: none comes)
     prctl.set_dumpable(False)
     os.setpgid(0, 0)
     # Objects the parent left for the cycle collector may own fds; collected here, they would
