@@ -123,7 +123,8 @@ def _start_through_the_front(machine, tmp_path, front: Path, log: Path) -> set[s
     def edit(spec):
         entry = spec["hooks"]["prestart"][1]
         entry["path"] = str(front)
-        entry["args"] = ["nvcontainer-hook", *entry["args"][4:-1], "--socket", "", "prestart"]
+        entry["args"] = ["nvcontainer-hook", *entry["args"][4:-1], "--socket", str(tmp_path / "down.sock"),
+                         "prestart"]   # a node whose server is down
 
     log.write_text("")
     bundle = rt.make_bundle(tmp_path, machine, ["NVIDIA_VISIBLE_DEVICES=0"], 'ls /dev/nvidia0 && echo "DONE:ok"',
@@ -157,3 +158,18 @@ def test_an_import_line_in_the_install_sends_the_start_to_site(fake_machine, tmp
         added.unlink()
     assert "sitecustomize" in imported, sorted(imported)   # site's own start looked for it
     assert "nvcontainer.apply.execute" in imported
+
+
+def test_the_client_loads_no_socket_module_without_a_socket_and_still_tries_one_that_is_there(tmp_path):
+    """A node whose server is down: nothing at the path, no ``_socket`` import; a file there (a
+    stale socket, nobody listening) is still tried, and refused, as before."""
+    import socket
+
+    stale = tmp_path / "stale.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    dead.bind(str(stale))
+    dead.close()
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from nvcontainer.hook import client; "
+            "print(client.forward(['--socket', sys.argv[2], 'prestart']), '_socket' in sys.modules)")
+    for path, loaded in ((tmp_path / "absent.sock", "False"), (stale, "True")):
+        assert _run([sys.executable, "-I", "-S", "-c", code, str(REPO), str(path)]).split() == ["None", loaded]
