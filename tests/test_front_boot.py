@@ -47,8 +47,9 @@ def _booted(python: str, code: str, line: str | None = None) -> tuple[str, str]:
     return out[0], out[1]
 
 
-def _venv(base: Path, *, system: bool = False, pth: dict[str, str | bytes] | None = None) -> str:
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", *(["--system-site-packages"] if system else []),
+def _venv(base: Path, *, system: bool = False, pth: dict[str, str | bytes] | None = None,
+          interpreter: str = sys.executable) -> str:
+    subprocess.run([interpreter, "-m", "venv", "--without-pip", *(["--system-site-packages"] if system else []),
                     str(base)], check=True)
     python = str(base / "bin" / "python")
     purelib = Path(_run([python, "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
@@ -78,6 +79,19 @@ def test_the_boot_gives_what_site_gives(tmp_path, how, system, pth, start):
     assert _booted(python, PROBE) == (expected, start), how
     # the source, where the interpreter's byte code is another (no .pyc-like match), is the same
     assert _booted(python, PROBE, build.boot_code()) == (expected, start), how
+
+
+@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="no distribution python3")
+@pytest.mark.parametrize("pth, start", [(PLAIN, "fast"), ({**PLAIN, "distutils-precedence.pth": SHIM}, "fast"),
+                                        ({**PLAIN, "z.pth": "import os\n"}, "site")])
+def test_the_distributions_python_as_the_package_uses_it(tmp_path, pth, start):
+    """The package's venv is made with Debian's /usr/bin/python3, whose site lists
+    dist-packages directories too (its getsitepackages is patched): the boot asks it."""
+    python = _venv(tmp_path / "venv", pth=pth, interpreter="/usr/bin/python3")
+    (Path(python).parent.parent / "lib" / "python3" / "dist-packages").mkdir(parents=True)   # Debian's extra one
+    expected = _run([python, "-I", "-c", PROBE]).strip()
+    assert "python3/dist-packages" in expected
+    assert _booted(python, PROBE) == (expected, start)
 
 
 def test_an_interpreter_outside_a_venv_gets_sites_start():
