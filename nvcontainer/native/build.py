@@ -66,17 +66,19 @@ def boot_code() -> str:
 
 def boot_line() -> str:
     """:func:`boot_code` as the fronts run it: its byte code, compiled here, where the running
-    interpreter's byte code is this one's (the same magic number, as for a ``.pyc``), else the
-    source. Compiling the source costs a start 0.7 ms; reading the byte code 0.2."""
+    interpreter's byte code is this one's (the same magic number, as for a ``.pyc``: compiling
+    the source would cost a start 0.7 ms, reading the byte code 0.2); elsewhere (a wheel built
+    by another Python version) ``site``'s own start, which is ``-I``'s."""
     import marshal
     from importlib.util import MAGIC_NUMBER
 
-    source = boot_code()
-    code = marshal.dumps(compile(source, "<nvcontainer boot>", "exec"))
+    code = marshal.dumps(compile(boot_code(), "<nvcontainer boot>", "exec"))
     return ("import marshal,sys\n"
-            f"exec(marshal.loads(bytes.fromhex('{code.hex()}')) if getattr(sys.modules.get("
-            f"'_frozen_importlib_external'),'MAGIC_NUMBER',0)==bytes.fromhex('{MAGIC_NUMBER.hex()}') "
-            f"else {source!r})\ndel marshal\n")
+            "if getattr(sys.modules.get('_frozen_importlib_external'),'MAGIC_NUMBER',0)=="
+            f"bytes.fromhex('{MAGIC_NUMBER.hex()}'):\n"
+            f" exec(marshal.loads(bytes.fromhex('{code.hex()}')))\n"
+            "else:\n import site;site.main();_nvc_start='site'\n"
+            "del marshal\n")
 
 
 def python_header(python: str) -> str:
