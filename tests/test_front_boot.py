@@ -187,3 +187,9 @@ def test_the_client_loads_no_socket_module_without_a_socket_and_still_tries_one_
             "print(client.forward(['--socket', sys.argv[2], 'prestart']), '_socket' in sys.modules)")
     for path, loaded in ((tmp_path / "absent.sock", "False"), (stale, "True")):
         assert _run([sys.executable, "-I", "-S", "-c", code, str(REPO), str(path)]).split() == ["None", loaded]
+
+
+def test_a_fronts_program_runs_without_the_cyclic_collector(tmp_path):
+    """One short run each: the collector would only walk the imports' objects again and again."""
+    python = _venv(tmp_path / "venv", pth=PLAIN)
+    assert _run([python, "-I", "-S", "-c", build.boot_line() + "import gc; print(gc.isenabled())"]).strip() == "False"

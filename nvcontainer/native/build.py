@@ -68,17 +68,23 @@ def boot_line() -> str:
     """:func:`boot_code` as the fronts run it: its byte code, compiled here, where the running
     interpreter's byte code is this one's (the same magic number, as for a ``.pyc``: compiling
     the source would cost a start 0.7 ms, reading the byte code 0.2); elsewhere (a wheel built
-    by another Python version) ``site``'s own start, which is ``-I``'s."""
+    by another Python version) ``site``'s own start, which is ``-I``'s.
+
+    The cyclic garbage collector is off first: every program a front starts is one short run
+    that leaves no cycles worth collecting, and the collector would walk the objects its
+    hundred imports create again and again (1.7 ms of the 31 ms of CPU that importing the
+    in-process hook's modules costs; ``hook/main.py`` turned it off only after its own imports,
+    ``nvidia-container-cli`` and the runtime shim's half not at all)."""
     import marshal
     from importlib.util import MAGIC_NUMBER
 
     code = marshal.dumps(compile(boot_code(), "<nvcontainer boot>", "exec"))
-    return ("import marshal,sys\n"
+    return ("import gc,marshal,sys\ngc.disable()\n"
             "if getattr(sys.modules.get('_frozen_importlib_external'),'MAGIC_NUMBER',0)=="
             f"bytes.fromhex('{MAGIC_NUMBER.hex()}'):\n"
             f" exec(marshal.loads(bytes.fromhex('{code.hex()}')))\n"
             "else:\n import site;site.main();_nvc_start='site'\n"
-            "del marshal\n")
+            "del gc,marshal\n")
 
 
 def python_header(python: str) -> str:
