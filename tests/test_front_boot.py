@@ -71,6 +71,8 @@ PLAIN = {"a.pth": f"{REPO}\n# a comment\n\n   \nrelative-dir\n/nowhere/at/all\n{
     ("an import line with a tab", False, {"z.pth": f"{REPO}\nimport\tos\n"}, "site"),
     ("a line that is not ASCII", False, {"z.pth": f"{REPO}\n/tmp/caf\u00e9\n"}, "site"),
     ("carriage returns", False, {"z.pth": f"{REPO}\r\nrelative-dir\r\n"}, "site"),
+    ("a vertical tab in a comment", False, {"z.pth": f"# note\x0b{REPO}\n"}, "site"),
+    ("a hidden .pth file", False, {**PLAIN, ".hidden.pth": f"{REPO}\n"}, "site"),
     ("the system's site-packages too", True, PLAIN, "site"),
 ])
 def test_the_boot_gives_what_site_gives(tmp_path, how, system, pth, start):

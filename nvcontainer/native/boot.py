@@ -28,7 +28,10 @@ def _nvc_boot():
     import site
     import sys
 
-    def site_start():   # what -I without -S does
+    before = sys.prefix, sys.exec_prefix
+
+    def site_start():   # what -I without -S does, from where the interpreter left off
+        sys.prefix, sys.exec_prefix = before
         site.main()
         return "site"
 
@@ -56,12 +59,11 @@ def _nvc_boot():
         return site_start()
     if system_site == "true":
         return site_start()
-    before = sys.prefix, sys.exec_prefix
-    sys.prefix = sys.exec_prefix = prefix   # before getsitepackages: Debian's reads it
     # setuptools' distutils hack (every venv python3.11 -m venv makes has it): its finder acts
     # only on top-level imports of distutils and pip, which none of our programs makes
     shim = ("import os; var = 'SETUPTOOLS_USE_DISTUTILS'; enabled = os.environ.get(var, 'local') == "
             "'local'; enabled and __import__('_distutils_hack').add_shim();")
+    sys.prefix = sys.exec_prefix = prefix   # before getsitepackages: Debian's reads it
     known, added = set(sys.path), []
     for sitedir in site.getsitepackages([prefix]):
         if not os.path.isdir(sitedir):
@@ -75,19 +77,21 @@ def _nvc_boot():
         except OSError:
             continue
         for name in names:
+            if name.startswith("."):   # newer Pythons skip hidden ones, older read them
+                return site_start()
             try:
                 with open(os.path.join(sitedir, name), "rb") as f:
                     data = f.read()
             except OSError:
                 continue
-            if not data.isascii() or b"\r" in data or b"\0" in data:
-                sys.prefix, sys.exec_prefix = before
+            if not data.isascii():   # a BOM, another encoding: Pythons decode it each their way
                 return site_start()
             for line in data.decode("ascii").split("\n"):
+                if not line.replace("\t", " ").isprintable():   # \r, \v, \f, NUL: Pythons split
+                    return site_start()                          # or refuse such lines their own ways
                 if line.startswith("#") or not line.strip() or line.rstrip() == shim:
                     continue
                 if line.startswith(("import ", "import\t")):
-                    sys.prefix, sys.exec_prefix = before
                     return site_start()
                 path = os.path.abspath(os.path.join(sitedir, line.rstrip()))
                 if path not in known and os.path.exists(path):
