@@ -29,6 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from nvcontainer.native import build
 from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.fakegpu.runner import fake_proc_command
 
@@ -130,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         warm = ws.probe_entry(out, hook)
         logs = [base / f"debug-{i}.log" for i in range(args.runs)]
         logged = [ws.probe_entry(out, [str(ws.hook), "--debug", str(log), *hook[1:]]) for log in logs]
-        # the installed hook is the static front: the interpreter runs the hook's module itself here
-        module = [str(ws.python), "-I", "-X", "importtime", "-c", HOOK_MAIN, *hook[1:]]
+        # the installed hook is the static front: the interpreter runs the hook's module itself
+        # here, started as the front starts it (-I -S and the boot's lines: native/boot.py)
+        module = [str(ws.python), "-I", "-S", "-X", "importtime", "-c", build.boot_line() + HOOK_MAIN, *hook[1:]]
         imports = ws.probe_entry(out, module, stderr=err)
         profiled = ws.probe_entry(out, [str(ws.python), "-I", "-m", "cProfile", "-o", str(prof), "-m",
                                         "nvcontainer.hook", *hook[1:]])

@@ -30,6 +30,8 @@ NOT_ON_THE_START = {
     "dataclasses", "inspect", "tomllib", "fnmatch", "socket", "subprocess", "pickle", "secrets",
     "click", "pynvml", "elftools", "nvcontainer.cdi", "nvcontainer.cli", "nvcontainer.inventory.build",
     "nvcontainer.inventory.nvml", "nvcontainer.cgroups.v2", "nvcontainer.cgroups.bpf", "nvcontainer.config.toolkit",
+    "_socket",   # no server's socket there (--socket ""; tests/test_front_boot.py: a path with nothing at it)
+    "distutils", "pip", "_distutils_hack",   # what the fronts' boot may leave setuptools' shim out for
 }
 
 # The hook as the static front starts it (-I), but without ``site``: this development venv's

@@ -86,3 +86,19 @@ def test_installed_programs_ignore_planted_code(tmp_path):
             env["LD_PRELOAD"] = str(preload)
         subprocess.run(argv, input=state, capture_output=True, text=True, cwd=evil, env=env, timeout=60)
         assert not mark.exists(), f"planted code ran in {argv[0]}"
+
+
+def test_the_installed_fronts_start_their_interpreter_without_site():
+    """The package's venv (Debian's python3, pip and setuptools removed) holds only directory
+    lines in its .pth files: its fronts' boot takes the fast path, and the program sees the
+    sys.path site would give it (tests/test_front_boot.py covers the rest)."""
+    python = str(LIB / "bin/python3")
+    env = {"PATH": "/usr/bin:/bin"}
+    line = subprocess.run([python, "-I", "-c", "from nvcontainer.native import build; print(build.boot_line())"],
+                          capture_output=True, text=True, env=env, cwd="/", check=True).stdout
+    probe = "import sys; print(sys.path, sys.prefix)"
+    booted = subprocess.run([python, "-I", "-S", "-c", line + probe + "; print(_nvc_start)"], capture_output=True,
+                            text=True, env=env, cwd="/", check=True).stdout.splitlines()
+    plain = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True, env=env, cwd="/",
+                           check=True).stdout.strip()
+    assert booted == [plain, "fast"]

@@ -20,9 +20,10 @@ This module imports nothing but built-in modules (``_socket``, ``os``, ``sys``) 
 as a script with ``python -I -S`` (no ``site``): registration files written by
 ``nvcontainer setup`` do that, which makes the client start in about the time of a bare
 interpreter. Run that way it falls back by executing ``python -I -m nvcontainer.hook``.
+``_socket`` is imported only where a socket is there to ask: the in-process hook of a node
+whose server is down does not load it (an extension module where Python is built that way).
 """
 
-import _socket
 import os
 import sys
 
@@ -101,6 +102,8 @@ def unpack_fds(ancillary):
     """The fds of the SCM_RIGHTS messages in ``recvmsg``'s ancillary data (a truncated tail
     ignored)."""
     fds = []
+    import _socket
+
     for level, kind, payload in ancillary:
         if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
             fds += [int.from_bytes(payload[i:i + 4], sys.byteorder, signed=True)
@@ -113,6 +116,14 @@ def forward(argv):
     path = socket_path(argv)
     if not path:
         return None
+    try:
+        os.stat(path)
+    except FileNotFoundError:   # nothing there (no server): connect() would fail the same way
+        return None
+    except (OSError, ValueError):   # e.g. an abstract name: connect() tells
+        pass
+    import _socket
+
     try:
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
     except OSError:

@@ -31,6 +31,8 @@ RUNTIME_NAMES = ("nvidia-container-runtime", "nvcontainer-runtime")
 # under each of these names.
 FRONT_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "front.c")
 FRONT_NAMES = ("nvcontainer-hook", "nvidia-container-runtime-hook", "nvidia-container-cli")
+# The first lines of every program a front starts (``python -I -S -c``): boot.py's function.
+BOOT_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot.py")
 CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-D_FORTIFY_SOURCE=2", "-fstack-protector-strong")
 COMPILE_TIMEOUT = 60.0
 
@@ -45,23 +47,61 @@ def compiler() -> str | None:
     return None
 
 
-def c_string(text: str) -> str:
-    """A C string literal for ``text``; only printable ASCII is taken (paths of an install)."""
-    if not text.isascii() or not text.isprintable():
+def c_string(text: str, *, lines: bool = False) -> str:
+    """A C string literal for ``text``; only printable ASCII is taken (paths of an install), and
+    with ``lines`` newlines too (the boot code)."""
+    if not text.isascii() or not (text.replace("\n", "") if lines else text).isprintable():
         raise NvcError("setup", f"cannot embed {escape(text)} in the native hook client")
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("?", "\\?") + '"'
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("?", "\\?").replace("\n", "\\n") + '"'
+
+
+def boot_code() -> str:
+    """The Python that every front's interpreter (``-I -S -c``) runs before the program's own
+    line: :mod:`boot`'s function without the module's docstring, called; its answer ("fast", or
+    "site" where the install needs ``site``'s own start) left in ``_nvc_start``."""
+    with open(BOOT_SOURCE, encoding="ascii") as f:
+        text = f.read()
+    return text[text.index("def _nvc_boot"):].rstrip() + "\n\n\n_nvc_start = _nvc_boot()\ndel _nvc_boot\n"
+
+
+def boot_line() -> str:
+    """:func:`boot_code` as the fronts run it: its byte code, compiled here, where the running
+    interpreter's byte code is this one's (the same magic number, as for a ``.pyc``: compiling
+    the source would cost a start 0.7 ms, reading the byte code 0.2); elsewhere (a wheel built
+    by another Python version) ``site``'s own start, which is ``-I``'s.
+
+    The cyclic garbage collector is off first: every program a front starts is one short run
+    that leaves no cycles worth collecting, and the collector would walk the objects its
+    hundred imports create again and again (1.7 ms of the 31 ms of CPU that importing the
+    in-process hook's modules costs; ``hook/main.py`` turned it off only after its own imports,
+    ``nvidia-container-cli`` and the runtime shim's half not at all)."""
+    import marshal
+    from importlib.util import MAGIC_NUMBER
+
+    code = marshal.dumps(compile(boot_code(), "<nvcontainer boot>", "exec"))
+    return ("import gc,marshal,sys\ngc.disable()\n"
+            "if getattr(sys.modules.get('_frozen_importlib_external'),'MAGIC_NUMBER',0)=="
+            f"bytes.fromhex('{MAGIC_NUMBER.hex()}'):\n"
+            f" exec(marshal.loads(bytes.fromhex('{code.hex()}')))\n"
+            "else:\n import site;site.main();_nvc_start='site'\n"
+            "del gc,marshal\n")
+
+
+def python_header(python: str) -> str:
+    """What every front's ``nvc_config.h`` holds: the install's interpreter and the boot code."""
+    return f"#define NVC_PYTHON {c_string(python)}\n#define NVC_BOOT {c_string(boot_line(), lines=True)}\n"
 
 
 def config_header(python: str) -> str:
     """``nvc_config.h``: the install's interpreter and the hook's valued options."""
     valued = ", ".join(c_string(name) for name in sorted(hookclient.VALUED))
-    return f"#define NVC_PYTHON {c_string(python)}\n#define NVC_VALUED {valued}\n"
+    return f"{python_header(python)}#define NVC_VALUED {valued}\n"
 
 
 def runtime_header(python: str, config: str | None = None) -> str:
     """``nvc_config.h`` of the runtime front: the install's interpreter and the configuration
     file to read instead of the default ones (for a test, or an install that keeps it elsewhere)."""
-    return f"#define NVC_PYTHON {c_string(python)}\n#define NVC_CONFIG {c_string(config or '')}\n"
+    return f"{python_header(python)}#define NVC_CONFIG {c_string(config or '')}\n"
 
 
 def build_runtime(dest: str, python: str, config: str | None = None, cc: str | None = None,
@@ -83,7 +123,7 @@ def build_fronts(bin_dir: str, python: str = "", cc: str | None = None) -> str:
     musl = shutil.which("musl-gcc", path="/usr/local/bin:/usr/bin:/bin")
     first = os.path.join(bin_dir, FRONT_NAMES[0])
     linked = build(first, python, cc or musl, source=FRONT_SOURCE,
-                   header=f"#define NVC_PYTHON {c_string(python)}\n", what="entry front")
+                   header=python_header(python), what="entry front")
     with open(first, "rb") as f:
         program = f.read()
     for name in FRONT_NAMES[1:]:

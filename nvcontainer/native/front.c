@@ -10,7 +10,9 @@
  * none of its environment along, and executes the install's interpreter isolated (-I: no
  * PYTHON* variable, no user site, no script or working directory on sys.path) with a fixed
  * environment of PATH alone. The working directory is kept (it is the hooks' bundle), but
- * nothing is imported from it.
+ * nothing is imported from it. Without site (-S) either: the code runs boot.py's lines first
+ * (NVC_BOOT), which give it the sys.path site would, or run site itself where the install
+ * needs it (an import line in a .pth file), so a start does not pay site's work for nothing.
  *
  * One program, several names (argv[0]); the interpreter is NVC_PYTHON when the build embeds
  * it (setup, the package), else python3 beside this program's own file (a venv's bin/).
@@ -36,11 +38,11 @@ static const struct {
     const char *name;
     const char *code;
 } ENTRIES[] = {
-    {"nvcontainer-hook", "import sys;from nvcontainer.hook.main import main;sys.exit(main())"},
+    {"nvcontainer-hook", NVC_BOOT "import sys;from nvcontainer.hook.main import main;sys.exit(main())"},
     {"nvidia-container-runtime-hook",
-     "import sys;from nvcontainer.hook.main import main_nvidia_container_runtime_hook as m;sys.exit(m())"},
+     NVC_BOOT "import sys;from nvcontainer.hook.main import main_nvidia_container_runtime_hook as m;sys.exit(m())"},
     {"nvidia-container-cli",
-     "import sys;from nvcontainer.cli.nvcli import main_nvidia_container_cli as m;sys.exit(m())"},
+     NVC_BOOT "import sys;from nvcontainer.cli.nvcli import main_nvidia_container_cli as m;sys.exit(m())"},
 };
 
 static int is_hook(const char *name)
@@ -83,17 +85,18 @@ int main(int argc, char **argv)
                 strerror(errno ? errno : ENOENT));
         return 1;
     }
-    char **args = calloc((size_t)argc + 4, sizeof *args);
+    char **args = calloc((size_t)argc + 5, sizeof *args);
     if (!args) {
         fprintf(stderr, "%s: error: out of memory\n", name);
         return 1;
     }
     args[0] = (char *)python;
     args[1] = "-I";
-    args[2] = "-c";
-    args[3] = (char *)code;
+    args[2] = "-S";
+    args[3] = "-c";
+    args[4] = (char *)code;
     for (int i = 1; i < argc; i++)
-        args[i + 3] = argv[i];
+        args[i + 4] = argv[i];
     char *env[] = {"PATH=" SAFE_PATH, NULL};
     execve(python, args, env);
     fprintf(stderr, "%s: error: cannot run %s: %s\n", name, python, strerror(errno));

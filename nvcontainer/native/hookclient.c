@@ -133,9 +133,10 @@ int main(int argc, char **argv)
         return status;
     /* Nobody took it: the full hook in the install's interpreter, from a fixed environment
      * (the runtime's may be the image's: LD_PRELOAD, GCONV_PATH and the like would reach the
-     * dynamic interpreter) and isolated (-I: no PYTHON* variable, nothing from the cwd). */
+     * dynamic interpreter) and isolated (-I: no PYTHON* variable, nothing from the cwd), started
+     * as front.c starts it (-S and the boot code: python -m nvcontainer.hook's work). */
     char *env[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};
-    char **args = calloc((size_t)argc + 4, sizeof *args);
+    char **args = calloc((size_t)argc + 5, sizeof *args);
     if (!args) {
         dprintf(2, "%s: error: out of memory\n", PROG);
         return 1;
@@ -148,10 +149,11 @@ int main(int argc, char **argv)
     }
     args[0] = (char *)python;
     args[1] = "-I";
-    args[2] = "-m";
-    args[3] = "nvcontainer.hook";
+    args[2] = "-S";
+    args[3] = "-c";
+    args[4] = NVC_BOOT "import sys;from nvcontainer.hook.main import run;sys.exit(run(sys.argv[1:]))";
     for (int i = 1; i < argc; i++)
-        args[i + 3] = argv[i];
+        args[i + 4] = argv[i];
     execve(python, args, env);
     dprintf(2, "%s: error: cannot run %s: %s\n", PROG, python, strerror(errno));
     return 1;

@@ -27,6 +27,9 @@
 #ifndef NVC_PYTHON
 #define NVC_PYTHON ""
 #endif
+#ifndef NVC_BOOT   /* the Python run before each program's own line (build.py: boot.py) */
+#error "NVC_BOOT: nvc_config.h is written by nvcontainer/native/build.py"
+#endif
 #define DEFAULT_CONFIG "/etc/nvcontainer/config.toml"
 #define TOOLKIT_CONFIG "/etc/nvidia-container-runtime/config.toml"
 #define CONFIG_CAP (1 << 20)

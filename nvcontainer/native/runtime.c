@@ -186,7 +186,7 @@ static void close_from(int low)
 
 /* The Python shim's argv (python ... -- ENGINE-ARGS), NULL-terminated; reply_fd: with
  * --reply-fd 3 (the child below), or without (the server's child answers on its socket). */
-#define PYTHON_WORDS 4   /* shim_args' "python -I -m nvcontainer.runtime", before the half's own */
+#define PYTHON_WORDS 5   /* shim_args' "python -I -S -c CODE", before the half's own */
 
 static char **shim_args(int argc, char **argv, const char *python, const char *cwd, int reply_fd)
 {
@@ -195,9 +195,10 @@ static char **shim_args(int argc, char **argv, const char *python, const char *c
         return NULL;
     int n = 0;
     args[n++] = (char *)python;
-    args[n++] = "-I";
-    args[n++] = "-m";
-    args[n++] = "nvcontainer.runtime";
+    args[n++] = "-I";   /* as front.c starts its interpreter: python -m nvcontainer.runtime's work */
+    args[n++] = "-S";
+    args[n++] = "-c";
+    args[n++] = NVC_BOOT "import sys;from nvcontainer.runtime.prepare import main;sys.exit(main())";
     args[n++] = "--prog";
     args[n++] = (char *)prog;
     if (*NVC_CONFIG) {

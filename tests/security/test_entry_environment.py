@@ -30,7 +30,7 @@ from nvcontainer.native import build
 from tests.fixtures.runtime import PROC_DRIVER_HOOK, make_bundle
 from tests.fixtures.fakegpu.runner import fake_proc_command
 
-BIN = Path(sys.executable).parent
+BIN = Path(sys.executable).parent   # the development venv: its editable finder makes the boot run site
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="runs hooks and runc as root")
@@ -95,6 +95,9 @@ def plants(tmp_path_factory):
         (cwd / module).mkdir(parents=True)
         (cwd / module / "__init__.py").write_text(_mark(markers, f"cwd_{module}"))
     (cwd / "sitecustomize.py").write_text(_mark(markers, "cwd_sitecustomize"))
+    for where, directory in (("cwd", cwd), ("pythonpath", path)):   # the boot imports site itself (-S)
+        (directory / "site.py").write_text(_mark(markers, f"{where}_site"))
+    (cwd / "pyvenv.cfg").write_text(f"home = {base / 'home'}\ninclude-system-site-packages = true\n")
     (cwd / "config.json").write_text("{}")
     env = {
         "PATH": f"{SAFE_PATH}",
@@ -108,6 +111,23 @@ def plants(tmp_path_factory):
         "GCONV_PATH": str(gconv),
     }
     return env, cwd, markers
+
+
+@pytest.fixture(scope="module")
+def installs(tmp_path_factory):
+    """{how the interpreter starts: its bin/}: the development venv (site's own start, for the
+    editable install's finder) and a venv whose .pth holds directory lines only, as a wheel or
+    the package makes (the boot's start without site), each with the fronts built in."""
+    from benchmarks.workspace import production_venv
+
+    fast = production_venv(tmp_path_factory.mktemp("install") / "venv")[0].parent
+    found = {}
+    for b in (BIN, fast):
+        out = subprocess.run([str(b / "python3"), "-I", "-S", "-c", build.boot_line() + "print(_nvc_start)"],
+                             capture_output=True, text=True, cwd="/", env={"PATH": SAFE_PATH}, check=True)
+        found[out.stdout.strip()] = b
+    assert set(found) == {"site", "fast"}, found
+    return found
 
 
 def _clear(markers: Path) -> None:
@@ -133,15 +153,16 @@ def _state(bundle: Path) -> str:
                        "bundle": str(bundle)})
 
 
+@pytest.mark.parametrize("start", ["site", "fast"])
 @pytest.mark.parametrize("name, args, wants_state", [
     ("nvcontainer-hook", ["prestart"], True),
     ("nvidia-container-runtime-hook", ["prestart"], True),
     ("nvcontainer-hook", ["create-symlinks", "--link", "a::/b"], True),   # a CDI hook, as a spec runs it
     ("nvidia-container-cli", ["--version"], False),
 ])
-def test_an_entry_runs_nothing_from_its_environment(plants, tmp_path, name, args, wants_state):
+def test_an_entry_runs_nothing_from_its_environment(plants, installs, tmp_path, name, args, wants_state, start):
     env, cwd, markers = plants
-    program = BIN / name
+    program = installs[start] / name
     assert program.is_file(), f"{program} is not installed (scripts/install builds the fronts)"
     with open(program, "rb") as f:
         assert f.read(4) == b"\x7fELF", f"{name} must be the static front, not a script"
@@ -163,12 +184,13 @@ def test_the_front_is_static_so_no_loader_reads_its_environment():
     assert "statically linked" in out or "static-pie linked" in out, out
 
 
-def test_the_native_clients_fallback_runs_nothing_from_its_environment(plants, tmp_path):
+@pytest.mark.parametrize("start", ["site", "fast"])
+def test_the_native_clients_fallback_runs_nothing_from_its_environment(plants, installs, tmp_path, start):
     """The served path's client, when no server answers, executes the Python hook: from a clean
     environment too."""
     env, cwd, markers = plants
     client = tmp_path / "client"
-    build.build(str(client), str(BIN / "python3"))
+    build.build(str(client), str(installs[start] / "python3"))
     _clear(markers)
     bundle = _bundle(tmp_path, ["PATH=/bin"])
     res = subprocess.run([str(client), "--socket", str(tmp_path / "nobody.sock"), "prestart"], env=env, cwd=cwd,
