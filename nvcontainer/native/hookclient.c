@@ -109,11 +109,9 @@ static int forward(int argc, char **argv)
     char reply[NVC_REPLY_MAX + 1], failure[128];
     ssize_t got = nvc_ask(path, request, (size_t)size, fds, reply, failure, sizeof failure);
     close(cwd);
-    if (got < 0)
-        return -1;
     int status = nvc_status(reply, got);
-    if (status != -1)
-        return status == NVC_DECLINED ? -1 : status;
+    if (status != NVC_OTHER)
+        return status;
     say(path, nvc_printable(reply, got) ? reply : failure);
     return 1;
 }

@@ -153,17 +153,18 @@ static inline long nvc_encode(char *buf, size_t cap, const char *magic, char *co
     return (long)used;
 }
 
-#define NVC_DECLINED (-2)
+#define NVC_UNTAKEN (-1)   /* no server answered (got < 0), or it declined: do the work yourself */
+#define NVC_OTHER (-2)     /* any other answer, left to the caller */
 
-/* The server's answer read as both clients read it: NVC_DECLINED ("declined ...": the caller
- * does the work itself), the exit status of "rc N", or -1 for any other answer. */
+/* nvc_ask's outcome read as both clients read it: NVC_UNTAKEN, the exit status of "rc N", or
+ * NVC_OTHER. */
 static inline int nvc_status(const char *reply, ssize_t got)
 {
-    if (got >= 9 && memcmp(reply, "declined ", 9) == 0)
-        return NVC_DECLINED;
+    if (got < 0 || (got >= 9 && memcmp(reply, "declined ", 9) == 0))
+        return NVC_UNTAKEN;
     if (got > 3 && got < 8 && memcmp(reply, "rc ", 3) == 0 && strspn(reply + 3, "0123456789") == (size_t)(got - 3))
         return atoi(reply + 3);
-    return -1;
+    return NVC_OTHER;
 }
 
 /* 1 if the answer is printable ASCII (then it may be shown as the server's words). */

@@ -249,11 +249,9 @@ __attribute__((unused)) static int ask_server(int argc, char **argv, const char 
         close(null);
     if (root >= 0)
         close(root);
-    if (got < 0)
-        return -1;
     int status = nvc_status(reply, got);
-    if (status != -1)
-        return status == NVC_DECLINED ? -1 : status;
+    if (status != NVC_OTHER)
+        return status;
     if (got > 9 && memcmp(reply, "runtime /", 9) == 0 && nvc_printable(reply, got))
         return run_runtime(reply + 8, argc, argv);
     dprintf(2, "%s: runtime error: nvcontainer serve at %s: %s\n", prog, NVC_SOCKET,
