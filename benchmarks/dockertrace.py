@@ -100,8 +100,10 @@ def classify(filename: str, inherited: str) -> str:
     anchors = "nvidia-anchors" in filename
     if name == "docker":
         return "docker client"
-    if name in ("dockerd", "containerd", "unshare"):
-        return name if name != "unshare" else "benchmark"
+    if name == "unshare":
+        return "benchmark"
+    if name in ("dockerd", "containerd"):
+        return name
     if name.startswith("containerd-shim"):
         return "containerd shim"
     if name == "nvidia-container-runtime":
@@ -112,7 +114,8 @@ def classify(filename: str, inherited: str) -> str:
         return "NVIDIA hook" if anchors else "our hook"
     if name == "nvidia-container-cli":
         return "NVIDIA cli" if anchors else "our cli"
-    if "ldconfig" in name or filename == "/dev/fd/3" and (inherited.startswith("serve") or inherited in ("our hook", "NVIDIA cli")):
+    if "ldconfig" in name or (filename == "/dev/fd/3" and (inherited.startswith("serve")
+                                                            or inherited in ("our hook", "NVIDIA cli"))):
         return "ldconfig"
     if name == "runc":
         return "runc"
@@ -204,8 +207,8 @@ def spare_costs(trace: Trace, woke: dict[int, float]) -> list[float]:
 
 def runs(trace: Trace) -> list[tuple[int, float, float]]:
     """Every ``docker`` client of the tree, in order: (tid, exec, exit)."""
-    return [(tid, time, trace.exits.get(tid, time)) for time, tid, cat, _ in trace.execs if cat == "docker client"
-            and trace.exits.get(tid) is not None]
+    return [(tid, time, trace.exits[tid]) for time, tid, cat, _ in trace.execs
+            if cat == "docker client" and tid in trace.exits]
 
 
 def cut(trace: Trace, start: float, end: float, woke: dict[int, float] | None = None) -> dict:
@@ -220,31 +223,32 @@ def cut(trace: Trace, start: float, end: float, woke: dict[int, float] | None = 
     first = {}
     for time, tid, cat, _ in inside:
         first.setdefault(cat, (tid, time))
-    phases: dict[str, float] = {"wall": (end - start) * 1e3}
+
+    def ms(a: float, b: float) -> float:
+        return (b - a) * 1e3
 
     def span(cat):
         if cat not in first:
             return None
         tid, time = first[cat]
         return time, trace.exits.get(tid, time)
+    phases = {"wall": ms(start, end)}
+    hook, box, ld = span("hook chain"), span("container"), span("ldconfig")
     if len(calls) >= 3:
         (_, c0, c1), (_, s0, s1), (_, d0, d1) = calls[0], calls[1], calls[-1]
-        phases.update({"to create": c0 - start, "create": c1 - c0, "create -> start": s0 - c1, "start": s1 - s0,
-                       "delete": d1 - d0, "after delete": end - d1})
+        phases.update({"to create": ms(start, c0), "create": ms(c0, c1), "create -> start": ms(c1, s0),
+                       "start": ms(s0, s1), "delete": ms(d0, d1), "after delete": ms(d1, end)})
         runc_exec = next((time for time, tid, cat, _ in inside if tid == calls[0][0] and cat == "runc"), None)
-        hook = span("hook chain")
         if runc_exec is not None:
-            phases["runtime before runc"] = runc_exec - c0
+            phases["runtime before runc"] = ms(c0, runc_exec)
             if hook:
-                phases.update({"runc to hook": hook[0] - runc_exec, "hook to runc's exit": c1 - hook[1]})
-        box = span("container")
+                phases.update({"runc to hook": ms(runc_exec, hook[0]), "hook to runc's exit": ms(hook[1], c1)})
         if box:
-            phases.update({"container": box[1] - s1, "to delete": d0 - box[1]})
-        phases.update({k: v * 1e3 for k, v in phases.items() if k != "wall"})
-    for name, cat in (("hook", "hook chain"), ("ldconfig", "ldconfig")):
-        s = span(cat) or (span("NVIDIA hook") if name == "hook" else None)
-        if s:
-            phases[name] = (s[1] - s[0]) * 1e3
+            phases.update({"container": ms(s1, box[1]), "to delete": ms(box[1], d0)})
+    if hook:
+        phases["hook"] = ms(*hook)
+    if ld:
+        phases["ldconfig"] = ms(*ld)
     cpu: dict[str, float] = {}
     for a, b, cat, tid in trace.running:
         if woke and tid in woke and a < woke[tid]:
@@ -268,8 +272,8 @@ def summarize(cuts: dict[str, list[dict]]) -> dict[str, dict]:
     return out
 
 
-def table(summary: dict[str, dict], base: str = "runc") -> str:
-    """The medians, each arm beside ``base``'s."""
+def table(summary: dict[str, dict]) -> str:
+    """The medians, one column per arm."""
     arms = list(summary)
     lines = ["phase (median ms)".ljust(22) + "".join(f"{a:>14}" for a in arms)]
     for p in PHASES:

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from tests.test_dry_run import bundle, pid, write_config  # noqa: F401 (fixtures)
-from tests.test_serve import client, server, state, _request  # noqa: F401 (fixtures)
+from tests.test_serve import client, server, state  # noqa: F401 (fixtures)
 
 DECLINED = b"NVC1 1 18 1 0\nprestart\0"   # a PID that is not the sender's: declined, answered
 

@@ -28,9 +28,7 @@ from __future__ import annotations
 import os
 
 _NORMAL = os.sched_param(0)
-
-
-_may: bool | None = None
+_may: bool | None = None   # may_lower()'s answer, once asked
 
 
 def may_lower() -> bool:
