@@ -122,12 +122,7 @@ def _child(lib_path: str, user: tuple[int, int] | None, parent: int, collect) ->
     # readable by the unprivileged identity (a Python under /root, say).
     import pynvml
 
-    if user is not None and os.geteuid() == 0:
-        uid, gid = user
-        os.setgroups([])
-        os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
-    _die_with_parent(parent)   # after the drop: a change of identity clears the parent-death signal
+    become(user, parent)
     try:
         # Loading by full path first means pynvml's own CDLL("libnvidia-ml.so.1") is satisfied
         # by this object (glibc matches loaded objects by SONAME), not by the system search path.
@@ -147,6 +142,18 @@ def _child(lib_path: str, user: tuple[int, int] | None, parent: int, collect) ->
             pynvml.nvmlShutdown()
         except pynvml.NVMLError:
             pass
+
+
+def become(user: tuple[int, int] | None, parent: int) -> None:
+    """Drop to ``user`` (when root), then die with ``parent``: in that order, as a change of
+    identity clears the parent-death signal. Shared by this module's child and the metrics
+    sampler (:mod:`.sampler`), so there is one way NVML's process gives up its privileges."""
+    if user is not None and os.geteuid() == 0:
+        uid, gid = user
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    _die_with_parent(parent)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -211,33 +218,35 @@ def _activity(nv) -> dict:
     """Per GPU (by UUID): its running processes (pid, used memory in bytes or None, compute or
     graphics, SM utilisation in percent or None) and its utilisation rates (None where the
     driver does not sample them)."""
-    gpus = []
-    for index in range(min(nv.nvmlDeviceGetCount(), MAX_GPUS)):
-        h = nv.nvmlDeviceGetHandleByIndex(index)
-        procs: dict[int, dict] = {}
-        for kind, getter in (("compute", "nvmlDeviceGetComputeRunningProcesses"),
-                             ("graphics", "nvmlDeviceGetGraphicsRunningProcesses")):
-            for p in _versioned(nv, getter, h)[:MAX_PROCESSES]:
-                seen = procs.setdefault(int(p.pid), {"pid": int(p.pid), "memory": None, "kinds": [], "sm": None})
-                seen["kinds"].append(kind)
-                if p.usedGpuMemory is not None:
-                    seen["memory"] = max(seen["memory"] or 0, int(p.usedGpuMemory))
-        try:
-            for sample in nv.nvmlDeviceGetProcessUtilization(h, 0)[:MAX_PROCESSES]:
-                seen = procs.get(int(sample.pid))
-                if seen is not None:   # one sample per pid and period; keep the largest
-                    seen["sm"] = max(seen["sm"] or 0, int(sample.smUtil))
-        except nv.NVMLError:
-            pass
-        gpu = {"uuid": _text(nv.nvmlDeviceGetUUID(h)), "processes": list(procs.values()),
-               "utilization": None, "memory_utilization": None}
-        try:
-            rates = nv.nvmlDeviceGetUtilizationRates(h)
-            gpu["utilization"], gpu["memory_utilization"] = int(rates.gpu), int(rates.memory)
-        except nv.NVMLError:
-            pass
-        gpus.append(gpu)
-    return {"gpus": gpus}
+    return {"gpus": [gpu_activity(nv, nv.nvmlDeviceGetHandleByIndex(index))
+                     for index in range(min(nv.nvmlDeviceGetCount(), MAX_GPUS))]}
+
+
+def gpu_activity(nv, h) -> dict:
+    """One GPU's entry of :func:`_activity` (the metrics sampler asks it per GPU too)."""
+    procs: dict[int, dict] = {}
+    for kind, getter in (("compute", "nvmlDeviceGetComputeRunningProcesses"),
+                         ("graphics", "nvmlDeviceGetGraphicsRunningProcesses")):
+        for p in _versioned(nv, getter, h)[:MAX_PROCESSES]:
+            seen = procs.setdefault(int(p.pid), {"pid": int(p.pid), "memory": None, "kinds": [], "sm": None})
+            seen["kinds"].append(kind)
+            if p.usedGpuMemory is not None:
+                seen["memory"] = max(seen["memory"] or 0, int(p.usedGpuMemory))
+    try:
+        for sample in nv.nvmlDeviceGetProcessUtilization(h, 0)[:MAX_PROCESSES]:
+            seen = procs.get(int(sample.pid))
+            if seen is not None:   # one sample per pid and period; keep the largest
+                seen["sm"] = max(seen["sm"] or 0, int(sample.smUtil))
+    except nv.NVMLError:
+        pass
+    gpu = {"uuid": _text(nv.nvmlDeviceGetUUID(h)), "processes": list(procs.values()),
+           "utilization": None, "memory_utilization": None}
+    try:
+        rates = nv.nvmlDeviceGetUtilizationRates(h)
+        gpu["utilization"], gpu["memory_utilization"] = int(rates.gpu), int(rates.memory)
+    except nv.NVMLError:
+        pass
+    return gpu
 
 
 def _versioned(nv, name: str, h) -> list:

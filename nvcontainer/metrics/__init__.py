@@ -1,0 +1,1 @@
+"""``nvcontainer metrics``: a Prometheus endpoint with dcgm-exporter's names, per container."""
