@@ -9,7 +9,9 @@ metrics server is threaded. It drops its privileges as :mod:`.nvml`'s child does
 (:func:`.nvml.become`), asks the per-GPU questions of :mod:`.readings` and, for the processes,
 the same :func:`.nvml.gpu_activity` as ``nvcontainer ps``.
 
-The first line on stdin: ``{"library": path, "user": [uid, gid] or null}``. Then each line
+The first line on stdin: ``{"library": path, "user": [uid, gid] or null, "gpus": [the GPUs'
+UUIDs in NVML's index order, the inventory's]}``; nothing is asked of a GPU before its turn in a
+round (a hung one must not hang the start). Then each line
 ``{"skip": [uuid, ...]}`` asks for one round: a line per GPU, written as soon as that GPU has
 answered, ``{"gpu": uuid, "readings": {...}, "gpm": {...}, "migs": {uuid: {...}}, "activity":
 {...}, "mps": [...], "xid": n}`` or ``{"gpu": uuid, "error": text}`` (that GPU fell off the bus),
@@ -33,13 +35,14 @@ def main() -> int:
     parent = os.getppid()
     try:
         request = json.loads(sys.stdin.buffer.readline(MAX_REQUEST))
-        library, user = request["library"], request.get("user")
-        if not isinstance(library, str) or not (user is None or (isinstance(user, list) and len(user) == 2)):
+        library, user, gpus = request["library"], request.get("user"), request["gpus"][:MAX_GPUS]
+        if not isinstance(library, str) or not (user is None or (isinstance(user, list) and len(user) == 2)) \
+                or not all(isinstance(g, str) for g in gpus):
             raise ValueError("bad request")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return _fail(f"bad request: {exc}")
     try:
-        return _serve(library, user, parent)
+        return _serve(library, user, gpus, parent)
     except BrokenPipeError:
         return 0
     except Exception as exc:   # anything at all comes back as one line, never a traceback
@@ -59,7 +62,7 @@ def _fail(why: str) -> int:
     return 1
 
 
-def _serve(library: str, user, parent: int) -> int:
+def _serve(library: str, user, uuids: list[str], parent: int) -> int:
     import ctypes
 
     import pynvml as nv   # imported before dropping privileges: the interpreter's files may be root's
@@ -69,11 +72,10 @@ def _serve(library: str, user, parent: int) -> int:
     nvml.become(None if user is None else (int(user[0]), int(user[1])), parent)
     ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)   # pynvml's own CDLL then finds this object
     nv.nvmlInit()
-    handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(min(nv.nvmlDeviceGetCount(), MAX_GPUS))]
-    uuids = [_text(nv.nvmlDeviceGetUUID(h)) for h in handles]
-    xids = _Xids(nv, handles)
+    handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(min(nv.nvmlDeviceGetCount(), len(uuids)))]
+    xids = _Xids(nv)
     gpms: dict[str, object] = {}
-    _emit({"ready": uuids})
+    _emit({"ready": len(handles)})
     for line in sys.stdin.buffer:
         try:
             skip = set(json.loads(line[:MAX_REQUEST]).get("skip", ()))
@@ -83,6 +85,7 @@ def _serve(library: str, user, parent: int) -> int:
         for uuid, h in zip(uuids, handles):
             if uuid in skip:
                 continue
+            xids.register(uuid, h)
             _emit(_one(nv, readings, nvml, uuid, h, gpms, last.get(uuid, 0)))
         _emit({"end": True})
     return 0
@@ -132,22 +135,27 @@ def _migs(nv, readings, h) -> dict:
 class _Xids:
     """The last XID per GPU, from an NVML event set drained at each round (0: none seen)."""
 
-    def __init__(self, nv, handles):
-        import ctypes
-
-        self.nv, self.last, self.by_address = nv, {}, {}
+    def __init__(self, nv):
+        self.nv, self.last, self.by_address, self.tried = nv, {}, {}, set()
         self.events = None
         try:
             self.events = nv.nvmlEventSetCreate()
         except Exception:
             return
-        for h in handles:
-            try:
-                if nv.nvmlDeviceGetSupportedEventTypes(h) & XID_EVENT:
-                    nv.nvmlDeviceRegisterEvents(h, XID_EVENT, self.events)
-                    self.by_address[ctypes.cast(h, ctypes.c_void_p).value] = _text(nv.nvmlDeviceGetUUID(h))
-            except Exception:
-                continue
+
+    def register(self, uuid: str, h) -> None:
+        """At the GPU's first turn (once, whether NVML lets it or not)."""
+        import ctypes
+
+        if self.events is None or uuid in self.tried:
+            return
+        self.tried.add(uuid)
+        try:
+            if self.nv.nvmlDeviceGetSupportedEventTypes(h) & XID_EVENT:
+                self.nv.nvmlDeviceRegisterEvents(h, XID_EVENT, self.events)
+                self.by_address[ctypes.cast(h, ctypes.c_void_p).value] = uuid
+        except Exception:
+            pass
 
     def drain(self) -> dict:
         import ctypes

@@ -107,10 +107,10 @@ def parse(text: str, where: str = "counters file") -> tuple[list[Counter], list[
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 3 or not parts[0]:
+        parts = line.split(",", 2)
+        if len(parts) < 3 or not parts[0].strip():
             raise NvcError("input", f"{where} line {number}: expected 'FIELD, type, help', got {escape(line[:120])}")
-        name, typ, help_text = parts[0], parts[1].lower(), ",".join(parts[2:]).strip()
+        name, typ, help_text = parts[0].strip(), parts[1].strip().lower(), parts[2].strip()
         if not (name.isascii() and name.replace("_", "").isalnum()):
             raise NvcError("input", f"{where} line {number}: {escape(name[:120])} is not a field name")
         if typ not in TYPES:

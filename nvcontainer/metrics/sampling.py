@@ -60,7 +60,7 @@ class Sampler:
             return False
         self.buf = b""
         user = None if self.user is None else list(self.user)
-        if not self._send({"library": self.library, "user": user}):
+        if not self._send({"library": self.library, "user": user, "gpus": self.gpus}):
             self._give_up("metrics: the NVML sampler exited at start")
             return False
         line = self._line(end)
