@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 HEALTHY = Facts(
     serve_state="listening",
+    metrics={"state": "ours", "server": "nvcontainer-metrics", "up": 2, "gpus": 2},
     kernel_version="550.54.14",
     cache_libs={"libnvidia-ml.so.1": ["/usr/lib/libnvidia-ml.so.550.54.14"],
                 "libcuda.so.1": ["/usr/lib/libcuda.so.550.54.14"]},
@@ -184,7 +185,8 @@ def test_doctor_on_a_healthy_fake_machine(fake_machine, tmp_path):
     assert res.returncode == 0, res.stderr
     report = {c["name"]: c for c in json.loads(res.stdout)}
     assert list(report) == ["driver loaded", "ld cache", "versions match", "NVML", "device nodes", "cgroups",
-                            "ldconfig", "persistence", "CDI specs", "hooks", "hook server", "leases", "configuration"]
+                            "ldconfig", "persistence", "CDI specs", "hooks", "hook server", "leases", "metrics",
+                            "configuration"]
     for name in ("driver loaded", "ld cache", "versions match", "NVML", "device nodes", "ldconfig", "persistence"):
         assert report[name]["verdict"] == OK, report[name]
     assert report["NVML"]["detail"] == "driver 550.54.14, 2 GPU(s)"
@@ -291,3 +293,12 @@ def test_a_script_for_ldconfig_fails(fake_machine, tmp_path):
     assert check["detail"].startswith(f"{script}: not an ELF file: every GPU container would be refused")
     assert 'set ldconfig = "@PATH"' in check["fix"]
     assert res.stderr == "nvcontainer: doctor error: 1 check(s) failed: ldconfig\n"
+
+
+def test_the_metrics_exporter():
+    assert verdicts(HEALTHY)["metrics"] == (OK, "nvcontainer metrics answers on :9400 (2 GPU(s))", "")
+    lost = verdicts(with_(metrics={"state": "ours", "up": 1, "gpus": 2}))["metrics"]
+    assert lost[0] == WARN and "1 of 2 GPU(s)" in lost[1]
+    assert verdicts(with_(metrics={"state": "other", "server": "dcgm-exporter"}))["metrics"][0] == OK
+    absent = verdicts(with_(metrics={"state": "absent"}))["metrics"]
+    assert absent[0] == SKIP and "nvcontainer-metrics" in absent[2]

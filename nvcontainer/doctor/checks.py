@@ -63,6 +63,8 @@ class Facts:
     leases: tuple = ()                                    # ps.model.Lease: recorded leases, each alive or not
     lease_file: str = "/run/nvcontainer/leases.json"
     lease_error: str | None = None                        # why the lease file cannot be trusted
+    metrics: dict = field(default_factory=lambda: {"state": "absent"})   # metrics.probe's answer
+    metrics_port: int = 9400
 
 
 # --- deciding ----------------------------------------------------------------------------------
@@ -74,6 +76,7 @@ def evaluate(f: Facts) -> list[Check]:
     checks.append(_registrations(f))
     checks.append(_serve(f))
     checks.append(_leases(f))
+    checks.append(_metrics(f))
     checks.append(_configuration(f))
     return checks
 
@@ -245,6 +248,24 @@ def _serve(f: Facts) -> Check:
     return Check("hook server", SKIP, f"none on {where}: hooks run in their own process (slower starts)",
                  "for faster starts: nvcontainer setup ENGINE (it enables nvcontainer-serve.socket); "
                  "see nvcontainer-serve(1)")
+
+
+def _metrics(f: Facts) -> Check:
+    m, port = f.metrics, f.metrics_port
+    if m.get("state") == "ours":
+        up, gpus = m.get("up", 0), m.get("gpus", 0)
+        if up < gpus:
+            return Check("metrics", WARN, f"nvcontainer metrics answers on :{port}; {gpus - up} of {gpus} GPU(s) "
+                                          "did not answer NVML in its last scrape",
+                         "see its log (journalctl -u nvcontainer-metrics) and nvidia-smi")
+        return Check("metrics", OK, f"nvcontainer metrics answers on :{port} ({gpus} GPU(s))")
+    if m.get("state") == "locked":
+        return Check("metrics", OK, f"an exporter answers on :{port} behind TLS or basic auth (not checked further)")
+    if m.get("state") == "other":
+        return Check("metrics", OK, f"another exporter ({escape(str(m.get('server')), 60)}) answers on :{port}")
+    return Check("metrics", SKIP, f"no exporter answers on :{port}: no GPU metrics for Prometheus",
+                 "systemctl enable --now nvcontainer-metrics, or deploy/kubernetes/metrics; "
+                 "see nvcontainer-metrics(1)")
 
 
 def _leases(f: Facts) -> Check:

@@ -47,6 +47,9 @@ def gather(config, spec_dirs, *, proc: str = "/proc", etc: str = "/", serve_sock
     facts["serve_state"] = serve_state(facts["serve_socket"])
     facts["config_lines"] = tuple(config.report())
     facts.update(_lease_facts(config, proc))
+    from ..metrics.probe import probe
+
+    facts["metrics"] = probe()
     return Facts(**facts)
 
 

@@ -31,6 +31,7 @@ SERVE_SOCKET = "nvcontainer-serve.socket"
 SERVE_SERVICE = "nvcontainer-serve.service"
 REFRESH_SERVICE = "nvcontainer-cdi-refresh.service"
 REFRESH_PATH = "nvcontainer-cdi-refresh.path"
+METRICS_SERVICE = "nvcontainer-metrics.service"
 PACKAGE_DIR = "/usr/lib/systemd/system"
 LOCAL_DIR = "/etc/systemd/system"
 UDEV_RULE = "71-nvcontainer-cdi-refresh.rules"
@@ -108,6 +109,39 @@ def refresh_path() -> str:
         "[Install]\n"
         "WantedBy=multi-user.target\n"
     )
+
+
+def metrics_service(cli: str) -> str:
+    """``nvcontainer metrics`` on a node without Kubernetes (the package installs it disabled:
+    ``systemctl enable --now nvcontainer-metrics``). Root, for the ps scan of every container;
+    NVML still runs only in the exporter's unprivileged child."""
+    return (
+        "[Unit]\n"
+        "Description=nvcontainer: GPU metrics for Prometheus, dcgm-exporter's names, per container\n"
+        "Documentation=man:nvcontainer-metrics(1)\n"
+        "After=network-online.target\n"
+        "Wants=network-online.target\n"
+        "\n"
+        "[Service]\n"
+        "Type=simple\n"
+        f"Environment=PATH={DEFAULT_PATH}\n"
+        f"ExecStart={cli} metrics --listen :9400\n"
+        "Restart=on-failure\n"
+        "RestartSec=5\n"
+        "NoNewPrivileges=yes\n"
+        "ProtectSystem=full\n"
+        "ProtectHome=read-only\n"
+        "PrivateTmp=yes\n"
+        "\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
+def package_units(cli: str) -> dict[str, str]:
+    """What the .deb installs: every unit ``setup`` writes, and the metrics exporter's, which no
+    engine needs and ``setup`` therefore leaves out."""
+    return {**all_units(cli), METRICS_SERVICE: metrics_service(cli)}
 
 
 def udev_rule() -> str:
