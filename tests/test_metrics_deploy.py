@@ -107,3 +107,13 @@ def test_tls_and_basic_auth_from_the_web_config(tmp_path):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_every_option_is_in_the_man_page():
+    out = subprocess.run([str(Path(CLI).parent / "python"), "-m", "nvcontainer", "metrics", "--help"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    page = (Path(__file__).resolve().parent.parent / "man" / "nvcontainer-metrics.1").read_text()
+    options = [word.rstrip(",") for word in out.split() if word.startswith("--") and word != "--help"]
+    assert len(options) >= 8
+    for option in options:
+        assert option.replace("-", "\\-") in page, option
