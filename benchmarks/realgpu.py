@@ -47,7 +47,7 @@ import time
 import uuid
 from pathlib import Path
 
-from . import nvidia, realgpu_k8s as k8s, stats, targets
+from . import nvidia, realgpu_k8s as k8s, realgpu_metrics, stats, targets
 
 HOOK_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
 GPU_ENV = ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
@@ -737,7 +737,7 @@ def main() -> int:
                     steps[name]()
                 except Exception as exc:  # one broken step must not lose the others' record
                     node.say(f"!! step {name} failed: {type(exc).__name__}: {exc}")
-        if {"configure", "runc", "timing", "concurrent", "profile", "shim", "mps", "dra", "ps"} & set(parts):
+        if {"configure", "runc", "timing", "concurrent", "profile", "shim", "mps", "dra", "ps", "metrics"} & set(parts):
             template = node.build_rootfs()
             node.base_spec = node.spec()
             node.start_server()
@@ -751,7 +751,8 @@ def main() -> int:
                                ("shim", lambda: node.shim(template)),
                                ("mps", lambda: k8s.mps(node, template)),
                                ("dra", lambda: k8s.dra(node, template)),
-                               ("ps", lambda: k8s.ps(node, template))):
+                               ("ps", lambda: k8s.ps(node, template)),
+                               ("metrics", lambda: realgpu_metrics.metrics(node, template))):
                 if name in parts:
                     try:
                         step()
