@@ -223,3 +223,27 @@ def test_bad_listen_addresses(value):
     with pytest.raises(NvcError) as err:
         parse_listen(value)
     assert "--listen" in err.value.detail
+
+
+def test_a_thousand_short_lived_containers_leave_no_series_behind():
+    many = view("x")
+    template = many[0]["containers"][0]
+    many[0]["containers"] = [dict(template, id=f"{i:064x}", name=f"job-{i}") for i in range(1000)]
+    fams = by_name(families.containers(inventory(), many, "n"))
+    assert len(fams["nvcontainer_container_gpu_memory_bytes"].samples) == 1000
+    gone = view("x")
+    gone[0]["containers"] = []           # the next scrape: they all exited
+    fams = by_name(families.containers(inventory(), gone, "n"))
+    assert fams["nvcontainer_container_gpu_memory_bytes"].samples == []
+    assert len(fams["nvcontainer_host_gpu_memory_bytes"].samples) == 1
+
+
+def test_mps_clients_are_merged_into_the_activity_by_pid():
+    from nvcontainer.metrics.attribution import activity
+
+    got = activity({U0: {"activity": {"processes": [{"pid": 5, "memory": 10, "kinds": ["compute"], "sm": 1}],
+                                      "utilization": 3, "memory_utilization": 4},
+                         "mps": [{"pid": 5, "memory": None}, {"pid": 6, "memory": 20}]},
+                    U1: {"gpu": U1, "error": "gpu is lost"}})
+    (gpu,) = got["gpus"]
+    assert {p["pid"]: p["kinds"] for p in gpu["processes"]} == {5: ["compute", "mps"], 6: ["mps"]}

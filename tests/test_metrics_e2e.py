@@ -22,7 +22,8 @@ from tests.fixtures.fakegpu.spec import FakeSpec
 def machine(private_machine):
     m = private_machine(FakeSpec(gpus=2, archs=("9.0", "8.0")))
     return set_readings(m, {0: BUSY, 1: {"temp": 45, "power_mw": 70000, "sm_clock": 1410, "fb_used": 1 << 30}},
-                        processes=((0, os.getpid(), 300 << 20, "compute", 40),), utilization=((50, 20), (7, 3)))
+                        processes=((0, os.getpid(), 300 << 20, "compute", 40), (1, os.getpid(), 64 << 20, "mps", 0)),
+                        utilization=((50, 20), (7, 3)))
 
 
 @pytest.fixture()
@@ -57,7 +58,8 @@ def test_a_scrape_has_dcgm_exporters_series_for_every_gpu(machine, tmp_path):
         assert labels["pci_bus_id"].lower().startswith("0000") and len(labels["pci_bus_id"]) == 16
         assert by_gpu(text, "nvcontainer_gpu_up") == {"0": 1.0, "1": 1.0}
         # the host's own GPU process (this test), outside any container
-        assert by_gpu(text, "nvcontainer_host_gpu_memory_bytes")["0"] == 300 << 20
+        assert by_gpu(text, "nvcontainer_host_gpu_memory_bytes") == {"0": 300 << 20, "1": 64 << 20}
+        assert by_gpu(text, "nvcontainer_host_gpu_processes") == {"0": 1, "1": 1}   # GPU 1's: an MPS client
         om = exp.scrape("application/openmetrics-text; version=1.0.0")
         assert om.endswith("# EOF\n") and "DCGM_FI_DEV_GPU_TEMP{" in om
         assert exp.stderr().count("\n") == 1 and "serving" in exp.stderr()
@@ -150,7 +152,10 @@ def test_sampler_asks_a_hung_gpu_again_after_its_backoff(machine, clear_state):
     lines = []
     sampler = sampling.Sampler(library, None, uuids, lines.append, deadline=1.0, hang_backoff=1.0)
     try:
-        assert set(sampler.round()) == set(uuids)
+        first = sampler.round()
+        assert set(first) == set(uuids)
+        assert [p["pid"] for p in first[uuids[1]]["mps"]] == [os.getpid()]     # NVML's MPS client list
+        assert first[uuids[1]]["activity"]["processes"] == []                  # not a compute process
         clear_state.write_text("gpu0.hang=1\n")
         assert set(sampler.round()) == set()                      # GPU 0 first: nothing in time
         assert set(sampler.round()) == {uuids[1]}                 # skipped now; GPU 1 answers
