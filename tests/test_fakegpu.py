@@ -72,7 +72,7 @@ if "init_error" not in out:
                     "parent": n.nvmlDeviceGetUUID(parent)})
         gpus.append(gpu)
     try:
-        n.nvmlDeviceGetPowerUsage(n.nvmlDeviceGetHandleByIndex(0))
+        n.nvmlDeviceGetFanSpeed(n.nvmlDeviceGetHandleByIndex(0))
     except n.NVMLError_FunctionNotFound:
         out["unknown_entry_point"] = "FunctionNotFound"
     n.nvmlShutdown()
