@@ -247,3 +247,19 @@ def test_mps_clients_are_merged_into_the_activity_by_pid():
                     U1: {"gpu": U1, "error": "gpu is lost"}})
     (gpu,) = got["gpus"]
     assert {p["pid"]: p["kinds"] for p in gpu["processes"]} == {5: ["compute", "mps"], 6: ["mps"]}
+
+
+def test_the_operators_files_are_read_bounded_and_never_block(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for load, path in ((counters.load, fifo), (webconfig.load, fifo), (counters.load, tmp_path),
+                       (counters.load, tmp_path / "missing")):
+        with pytest.raises(NvcError) as err:
+            load(str(path))
+        assert str(path) in err.value.detail and "\n" not in err.value.detail
+    big = tmp_path / "big.csv"
+    big.write_text("# x\n" * (counters.MAX_FILE // 4 + 1))
+    with pytest.raises(NvcError, match="larger than"):
+        counters.load(str(big))

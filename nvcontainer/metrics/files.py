@@ -19,6 +19,8 @@ def read_text(path: str, limit: int, what: str) -> str:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NvcError("input", f"{what} {escape(path)}: not a regular file")
         data, more = read_at_most(fd, limit)
+    except OSError as exc:
+        raise NvcError("input", f"{what} {escape(path)}: {escape(exc.strerror or exc)}") from None
     finally:
         os.close(fd)
     if more:
