@@ -108,23 +108,25 @@ def _init_pid(p: subprocess.Popen) -> int:
     raise RuntimeError("unshare started no child")
 
 
-def _scrape(conn: http.client.HTTPConnection) -> float:
+def _scrape(conn: http.client.HTTPConnection) -> tuple[float, bool]:
+    """The scrape's time, and whether it was whole: every GPU up, the per-container series in it."""
     start = time.perf_counter()
     conn.request("GET", "/metrics")
     body = conn.getresponse().read()
     took = time.perf_counter() - start
-    if b"nvcontainer_container_gpu_memory_bytes" not in body:
-        raise RuntimeError("a scrape without per-container series")
-    return took
+    whole = b"nvcontainer_container_gpu_memory_bytes{" in body and b"nvcontainer_gpu_up{" in body \
+        and not any(line.startswith(b"nvcontainer_gpu_up{") and line.endswith(b" 0.0") for line in body.splitlines())
+    return took, whole
 
 
 def _phase(port: int, pid: int, n: int) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     cpu0 = _cpu(pid)
-    times = [_scrape(conn) for _ in range(n)]
+    got = [_scrape(conn) for _ in range(n)]
     cpu = _cpu(pid) - cpu0
     conn.close()
-    return {"scrapes": n, "p50_ms": round(_percentile(times, 0.5) * 1000, 2),
+    times = [t for t, _ in got]
+    return {"scrapes": n, "not_whole": sum(not whole for _, whole in got), "p50_ms": round(_percentile(times, 0.5) * 1000, 2),
             "p99_ms": round(_percentile(times, 0.99) * 1000, 2), "cpu_ms_per_scrape": round(cpu / n * 1000, 2)}
 
 
@@ -178,7 +180,9 @@ def run(scrapes: int) -> dict:
         stop.set()
         thread.join()
         starting["containers_started_meanwhile"] = sum(starts)
+        log = (base / "exporter.err").read_text(errors="replace").splitlines()
         return {"gpus": GPUS, "containers": CONTAINERS, "warm_up": warm, "steady": steady,
+                "exporter_log": log[-10:],
                 "rss_kib_after_warm_up": rss_warm, f"rss_kib_after_{scrapes}_scrapes": rss_after,
                 "while_32_start": starting, "cpus": os.cpu_count()}
     finally:
