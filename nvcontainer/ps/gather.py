@@ -64,16 +64,24 @@ def processes(activity: dict, proc: str = "/proc") -> list[Process]:
 
 
 def lease_facts(config, proc: str = "/proc") -> tuple[list[Lease], str | None]:
-    """The recorded leases with whether each container still runs; a lease file that cannot be
-    trusted gives no leases and its one-line reason."""
+    """The recorded leases with whether each container still runs, and a one-line warning: a
+    lease file that cannot be trusted gives no leases; entries that are not leases are named
+    (each holds GPUs until its container is known to have ended)."""
+    from ..errors import escape
     from ..leases import liveness, store
 
+    path = store.path_in(config.cache_dir)
     try:
-        recorded = store.load(store.path_in(config.cache_dir))
+        recorded, unreadable = store.load_all(path)
     except NvcError as exc:
-        return [], exc.detail
+        return [], f"leases not shown: {exc.detail}"
+    held = [u for u in unreadable if liveness.may_run(u)]
+    problem = None
+    if held:
+        problem = (f"{escape(path)}: {'; '.join(u.holder() for u in held[:4])}"
+                   f"{f' and {len(held) - 4} more' if len(held) > 4 else ''}: held until its container is known to have ended")
     return [Lease(container=lease.container, pid=lease.pid, gpus=tuple(lease.gpus), start=lease.start,
-                  alive=liveness.alive(lease, proc)) for lease in recorded], None
+                  alive=liveness.alive(lease, proc)) for lease in recorded], problem
 
 
 def snapshot(config, inventory, leases: list[Lease] = (), *, proc: str = "/proc", roots=ocistate.ROOTS) -> list[dict]:
