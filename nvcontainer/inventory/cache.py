@@ -5,8 +5,8 @@ without persistence mode takes hundreds of milliseconds (upstream pays it on eve
 start, and its "driver rpc error: timed out" is the most common complaint after cgroups), plus
 resolving and ELF-checking every driver library. The answer only changes when the driver, the
 GPUs, the ld cache or the driver's files change, so it is kept in one root-only file per
-configuration and program (:func:`entry_name`) under ``cache-dir`` (default ``/run/nvcontainer``) and checked, not trusted, on
-every read:
+configuration and program (:func:`entry_name`) under ``cache-dir`` (default
+``/run/nvcontainer``) and checked, not trusted, on every read:
 
 * the file: a regular file owned by us (root), mode 0600 or stricter, one link, opened without
   following symlinks from a directory owned by us with mode 0700, at most ``MAX_FILE`` bytes,
