@@ -14,7 +14,7 @@ from ..inventory.model import NVIDIA_MAJOR
 from ..records import replace
 from . import ocistate, scan
 from .assemble import assemble
-from .identity import from_cgroup
+from .identity import from_cgroup, from_kernel
 from .model import Container, Lease, Process
 
 
@@ -25,13 +25,16 @@ def nvml_library(inventory) -> str:
     raise NvcError("initialization", "nvml error: the inventory holds no libnvidia-ml.so.1")
 
 
-def identify(c: Container, states: dict) -> Container:
+def identify(c: Container, states: dict, proc: str = "/proc") -> Container:
+    """The engine's ID and name for a container; where none says, what the kernel shows (the
+    cgroup's last component, the init's command line)."""
     engine, found = from_cgroup(c.cgroup)
     runtime, state_id, name = states.get(c.pid, ("", "", ""))
-    container_id = found or state_id
+    container_id = found or state_id or from_kernel(c.cgroup)
     if not name and engine == "docker":
         name = ocistate.docker_name(container_id)
-    return replace(c, id=container_id, name=name, engine=engine or runtime)
+    command = "" if name else scan.cmdline(c.pid, proc)
+    return replace(c, id=container_id, name=name, engine=engine or runtime, command=command)
 
 
 def containers(minors, proc: str = "/proc", roots=ocistate.ROOTS) -> list[Container]:
@@ -40,13 +43,13 @@ def containers(minors, proc: str = "/proc", roots=ocistate.ROOTS) -> list[Contai
     for pid, space in scan.container_inits(proc):
         c = scan.read_container(pid, space, minors, NVIDIA_MAJOR, proc)
         if c is not None:
-            found.append(identify(c, states))
+            found.append(identify(c, states, proc))
     seen = {c.pid for c in found}
     for pid in sorted(set(states) - seen):
         # a container sharing the host's pid namespace: found by its runtime's state alone
         c = scan.read_container(pid, "", minors, NVIDIA_MAJOR, proc)
         if c is not None:
-            found.append(identify(c, states))
+            found.append(identify(c, states, proc))
     return found
 
 
