@@ -51,7 +51,6 @@ class Closed(NvcError):
     """The file cannot be read: left where it is, and no GPU is leased until it is moved aside."""
 
 
-
 CLOSED = "no GPU is leased while it cannot be read (move it aside once the containers it names have ended)"
 
 
