@@ -169,3 +169,21 @@ def test_a_damaged_entry_whose_container_ended_is_dropped(cfg):
     write_entries(cfg, [reused])
     assert ask(cfg, "free", "new").devices == (inventory(4).gpus[0].uuid,)
     assert len(entries(cfg)) == 1
+
+
+def test_a_request_at_the_environment_bound_leases_one_gpu_and_one_past_is_refused(cfg):
+    """``NVIDIA_VISIBLE_DEVICES`` at its 64 KiB bound, all spellings of GPU 1: one GPU leased,
+    recorded as ``1``; one character more is refused in one line and nothing is recorded."""
+    from nvcontainer.request.visible import MAX_VALUE
+
+    base = inventory(2)
+    inv = replace(base, gpus=tuple(replace(g, uuid=f"GPU-{g.index:08x}-abcd-ef01-2345-6789abcdefab") for g in base.gpus))
+    value = spellings(inv.gpus[1].uuid, 1000)
+    value = "," * (MAX_VALUE - len(value)) + value     # empty entries are dropped: at the bound
+    with pytest.raises(NvcError) as exc:
+        ask(cfg, "," + value, "past", inv)
+    assert f"longer than {MAX_VALUE} characters" in str(exc.value) and "\n" not in str(exc.value)
+    assert not os.path.exists(path_of(cfg))
+    ask(cfg, value, "at", inv)
+    (item,) = entries(cfg)
+    assert (item["indexes"], item["asked"]) == ([1], "1")
