@@ -1,0 +1,232 @@
+"""``nvcontainer install`` against a scratch node root (its own ``/etc``, ``/usr/local``, ``/run``),
+run as the DaemonSet's container runs it: a process that installs, registers, writes the ready
+file, and on SIGTERM puts the node back.
+
+The tree it installs is built here as scripts/bundle lays one out (``bin/`` with the static
+fronts and the served client); the engines are real: containerd's CRI (a GPU pod with the
+handler ``nvidia``, ENXIO on its GPU node) and dockerd (``--runtime=nvidia``), each started with
+the configuration the installer wrote, and afterwards the configuration is compared byte for
+byte with what was there before. The install directory is named by the path the engines use
+(a symlink outside the scratch root points into it), so the engines execute exactly the files
+the installer put there. Faults are each one line, with the engine's files intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from nvcontainer.errors import NvcError
+from nvcontainer.installer import settings as installer_settings, tree
+from nvcontainer.native import build as native
+from nvcontainer.setup import containerd as containerd_setup
+from tests.fixtures import cri, dockerd, runtime
+from tests.fixtures.fakegpu import FakeSpec
+from tests.test_engines_setup import CHECKS, ENXIO, assert_gpu0, facts, need, script
+
+VENV = Path(sys.executable).parent
+CLI = [sys.executable, "-m", "nvcontainer"]
+MAIN = 'version = 2\n# the operator\'s file, comments and all\n[plugins."io.containerd.grpc.v1.cri"]\n' \
+       '  sandbox_image = "pause:3"\n'
+
+
+@pytest.fixture(scope="module")
+def machine(fake_machine_factory):
+    return fake_machine_factory(FakeSpec(gpus=2))
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """A tree as scripts/bundle makes one: bin/ with what engines execute."""
+    top = tmp_path_factory.mktemp("tree")
+    bin_dir = top / "bin"
+    bin_dir.mkdir()
+    native.build(str(bin_dir / native.NAME), sys.executable)
+    native.build_runtime(str(bin_dir / "nvidia-container-runtime"), sys.executable)
+    for name in native.FRONT_NAMES:
+        shutil.copy2(VENV / name, bin_dir / name)
+    os.symlink(VENV / "python3", bin_dir / "python3")
+    return top
+
+
+@pytest.fixture(scope="module")
+def node_etc(tmp_path_factory, machine) -> Path:
+    """/etc/nvcontainer/config.toml of the engines' world: the fake driver root, and a hook that
+    gives the container's procfs /proc/driver/nvidia first (what a real driver's has)."""
+    base = tmp_path_factory.mktemp("node-etc")
+    hook = script(base / "served-hook", runtime.driver_wrapper(VENV / "nvidia-container-runtime-hook"))
+    etc = base / "etc"
+    (etc / "nvcontainer").mkdir(parents=True)
+    (etc / "nvcontainer/config.toml").write_text(
+        f'[nvidia-container-cli]\nroot = "{machine.root}"\n[nvidia-container-runtime-hook]\npath = "{hook}"\n')
+    return etc
+
+
+def scratch(tmp_path: Path) -> tuple[Path, Path]:
+    """(the host root, the install directory as the engines name it: a link into the root)."""
+    host = tmp_path / "host"
+    for d in ("etc", "usr/local", "run", "var/run"):
+        (host / d).mkdir(parents=True, exist_ok=True)
+    named = tmp_path / "nvc"
+    (host / str(named).lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(host / str(named).lstrip("/"), named)
+    return host, named
+
+
+def env(host: Path, named: Path, source: Path, **more) -> dict:
+    out = {"PATH": os.environ["PATH"], "HOST_ROOT_MOUNT": str(host), "TOOLKIT_INSTALL_DIR": str(named),
+           "NVCONTAINER_SOURCE": str(source), "RUNTIME_RESTART_MODE": "none",
+           "NVIDIA_RUNTIME_SET_AS_DEFAULT": "false"}
+    return {**out, **{k: str(v) for k, v in more.items()}}
+
+
+def start(e: dict) -> subprocess.Popen:
+    return subprocess.Popen([*CLI, "install"], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_ready(p: subprocess.Popen, host: Path, timeout: float = 60) -> None:
+    ready = host / "run/nvcontainer/validations/toolkit-ready"
+    end = time.monotonic() + timeout
+    while not ready.exists():
+        if p.poll() is not None or time.monotonic() > end:
+            p.kill()
+            raise AssertionError(f"not ready: rc {p.poll()}\n{p.communicate()[1]}")
+        time.sleep(0.1)
+
+
+def stop(p: subprocess.Popen) -> str:
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    return err
+
+
+def once(e: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, "install"], env={**e, "NO_DAEMON": "true"}, capture_output=True, text=True,
+                          timeout=120)
+
+
+# ---- settings: NVIDIA's names --------------------------------------------------------------------
+
+
+def test_settings_read_nvidias_variables_and_aliases():
+    s = installer_settings.settings({"RUNTIME": "containerd", "CONTAINERD_SET_AS_DEFAULT": "false",
+                                     "CONTAINERD_SOCKET": "/run/k3s/containerd/containerd.sock",
+                                     "NO_CLEANUP_ON_EXIT": "1", "CDI_ENABLED": "true"}, {})
+    assert (s.set_as_default, s.socket, s.no_cleanup, s.cdi, s.restart_mode) == \
+        (False, "/run/k3s/containerd/containerd.sock", True, True, "signal")
+    assert installer_settings.settings({"RUNTIME": "crio"}, {}).restart_mode == "systemd"
+    assert installer_settings.settings({"RUNTIME": "docker"}, {"set_as_default": False}).set_as_default is False
+    for bad, word in [({"RUNTIME": "rkt"}, "RUNTIME="), ({"RUNTIME_RESTART_MODE": "kill"}, "RUNTIME_RESTART_MODE="),
+                      ({"NO_CLEANUP_ON_EXIT": "maybe"}, "NO_CLEANUP_ON_EXIT="),
+                      ({"CONTAINERD_RUNTIME_CLASS": "gpu"}, "CONTAINERD_RUNTIME_CLASS="),
+                      ({"TOOLKIT_INSTALL_DIR": "usr/x"}, "TOOLKIT_INSTALL_DIR=")]:
+        with pytest.raises(NvcError, match=word):
+            installer_settings.settings(bad, {})
+
+
+# ---- containerd's CRI ----------------------------------------------------------------------------
+
+
+def test_containerd_cri_gpu_pod_then_sigterm_restores_byte_for_byte(machine, source, node_etc, tmp_path):
+    need("containerd", "ctr", "runc")
+    pytest.importorskip("grpc")
+    base = cri.prepare(tmp_path / "c")
+    host, named = scratch(tmp_path)
+    main = host / "etc/containerd/config.toml"
+    main.parent.mkdir(parents=True)
+    main.write_bytes((base / "config.toml").read_bytes())
+    before = main.read_bytes()
+    p = start(env(host, named, source))
+    wait_ready(p, host)
+    assert f'imports = ["{containerd_setup.DROPIN}"]' in main.read_text()
+    dropin = tomllib.loads((host / containerd_setup.DROPIN.lstrip("/")).read_text())
+    handler = dropin["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["nvidia"]
+    assert handler["options"]["BinaryName"] == f"{named}/current/bin/nvidia-container-runtime"
+    assert os.readlink(named / "current").startswith("versions/")
+    results, res = cri.run(machine, base, main, f"{host / 'etc'}:{node_etc}", [
+        {"name": "gpu0", "handler": "nvidia", "env": ["NVIDIA_VISIBLE_DEVICES=0"], "script": CHECKS},
+        {"name": "plain", "handler": "nvidia", "env": [], "script": CHECKS},
+    ])
+    context = f"{res.stdout}\n{res.stderr}\n{cri.log(base)}"
+    got = {r["name"]: (r["rc"], r["log"]) for r in results}
+    assert len(got) == 2, context
+    assert_gpu0(*got["gpu0"], context)
+    assert got["plain"][0] == 0 and facts(got["plain"][1])["OPEN0"] == ["absent"], context
+    err = stop(p)
+    assert "putting the node back" in err
+    assert main.read_bytes() == before                       # byte for byte
+    assert not (host / containerd_setup.DROPIN.lstrip("/")).exists()
+    assert not (host / "run/nvcontainer/validations/toolkit-ready").exists()
+    assert not os.path.lexists(named / "current") and not (named / "versions").exists()
+
+
+def test_no_cleanup_on_exit_leaves_the_node_installed(source, tmp_path):
+    host, named = scratch(tmp_path)
+    p = start(env(host, named, source, NO_CLEANUP_ON_EXIT="true"))
+    wait_ready(p, host)
+    assert "left installed" in stop(p)
+    assert (host / containerd_setup.DROPIN.lstrip("/")).exists() and (named / "current/bin").is_dir()
+
+
+# ---- CRI-O: the drop-in, rendered and checked ----------------------------------------------------
+
+
+def test_crio_dropin_rendered_checked_and_taken_back(source, tmp_path):
+    host, named = scratch(tmp_path)
+    (host / "etc/crio/crio.conf.d").mkdir(parents=True)
+    other = host / "etc/crio/crio.conf.d/10-operator.conf"
+    other.write_text('[crio.runtime]\nlog_level = "info"\n')
+    p = start(env(host, named, source, RUNTIME="crio", NVIDIA_RUNTIME_SET_AS_DEFAULT="true"))
+    wait_ready(p, host)
+    doc = tomllib.loads((host / "etc/crio/crio.conf.d/99-nvidia.toml").read_text())
+    assert doc["crio"]["runtime"] == {
+        "default_runtime": "nvidia",
+        "runtimes": {"nvidia": {"runtime_path": f"{named}/current/bin/nvidia-container-runtime",
+                                "runtime_type": "oci"}}}
+    if shutil.which("crio"):   # CRI-O itself reads it
+        res = subprocess.run(["crio", "--config", "/dev/null", "--config-dir", str(host / "etc/crio/crio.conf.d"),
+                              "config"], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0 and "nvidia" in res.stdout, res.stderr
+    stop(p)
+    assert not (host / "etc/crio/crio.conf.d/99-nvidia.toml").exists()
+    assert other.read_text() == '[crio.runtime]\nlog_level = "info"\n'
+
+
+# ---- dockerd -------------------------------------------------------------------------------------
+
+
+def test_dockerd_runtime_nvidia_then_sigterm_restores(machine, source, node_etc, tmp_path):
+    need("dockerd", "docker", "runc")
+    host, named = scratch(tmp_path)
+    daemon = host / "etc/docker/daemon.json"
+    daemon.parent.mkdir(parents=True)
+    daemon.write_text('{\n  "log-level": "warn"\n}\n')
+    before = daemon.read_bytes()
+    p = start(env(host, named, source, RUNTIME="docker"))
+    wait_ready(p, host)
+    doc = json.loads(daemon.read_text())
+    assert doc["runtimes"] == {"nvidia": {"path": f"{named}/current/bin/nvidia-container-runtime"}}
+    base = dockerd.prepare(tmp_path / "d")
+    run = ["run", "--rm", "--network", "none"]
+    results, res = dockerd.run(machine, base, daemon, [
+        [*run, "--runtime=nvidia", "-e", "NVIDIA_VISIBLE_DEVICES=0", dockerd.IMAGE, "sh", "-c", CHECKS],
+        [*run, "--runtime=nvidia", dockerd.IMAGE, "sh", "-c", CHECKS],
+    ], etc=node_etc, served=True)
+    context = f"{res.stderr}\n{dockerd.log(base)}"
+    assert len(results) == 2, context
+    assert_gpu0(*results[0], context)
+    assert results[1][0] == 0 and facts(results[1][1])["OPEN0"] == ["absent"], context
+    served = (base / "serve.log").read_text()
+    assert served.count("runtime request from pid ") == 1, served   # the GPU create, handed to the server
+    stop(p)
+    assert daemon.read_bytes() == before
