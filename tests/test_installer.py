@@ -90,13 +90,15 @@ def env(host: Path, named: Path, source: Path, **more) -> dict:
 
 
 def start(e: dict) -> subprocess.Popen:
-    return subprocess.Popen([*CLI, "install"], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([*CLI, "install"], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.started = time.time()
+    return p
 
 
 def wait_ready(p: subprocess.Popen, host: Path, timeout: float = 60) -> None:
     ready = host / "run/nvcontainer/validations/toolkit-ready"
     end = time.monotonic() + timeout
-    while not ready.exists():
+    while not (ready.exists() and ready.stat().st_mtime >= p.started):
         if p.poll() is not None or time.monotonic() > end:
             p.kill()
             raise AssertionError(f"not ready: rc {p.poll()}\n{p.communicate()[1]}")
@@ -230,3 +232,208 @@ def test_dockerd_runtime_nvidia_then_sigterm_restores(machine, source, node_etc,
     assert served.count("runtime request from pid ") == 1, served   # the GPU create, handed to the server
     stop(p)
     assert daemon.read_bytes() == before
+
+
+# ---- faults: one line, the engine's files intact, nothing left half-written -----------------------
+
+
+def assert_untouched(res, host: Path, named: Path, files: dict[Path, bytes], word: str) -> None:
+    assert res.returncode == 1, res.stderr
+    lines = [line for line in res.stderr.splitlines() if "nvcontainer install" in line or "Error" in line]
+    assert word in lines[-1] and "the engine's files are as they were" in lines[-1], res.stderr
+    assert "Traceback" not in res.stderr
+    for path, data in files.items():
+        assert path.read_bytes() == data if not path.is_symlink() else True
+    assert not (host / "run/nvcontainer/validations/toolkit-ready").exists()
+    assert not os.path.lexists(named / "current")
+    assert not (host / containerd_setup.DROPIN.lstrip("/")).exists()
+
+
+@pytest.mark.parametrize("text, word", [
+    ("version = 2\n[plugins\n", "config.toml"),
+    ('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia.options]\n'
+     '  BinaryName = "/usr/bin/nvidia-container-runtime"\n', "already has a runtime 'nvidia'"),
+    ("version = 1\n", "config version 1"),
+])
+def test_a_containerd_config_it_cannot_take_is_one_line(source, tmp_path, text, word):
+    host, named = scratch(tmp_path)
+    main = host / "etc/containerd/config.toml"
+    main.parent.mkdir(parents=True)
+    main.write_text(text)
+    assert_untouched(once(env(host, named, source)), host, named, {main: text.encode()}, word)
+
+
+def test_docker_with_another_nvidia_runtime_is_refused(source, tmp_path):
+    host, named = scratch(tmp_path)
+    daemon = host / "etc/docker/daemon.json"
+    daemon.parent.mkdir(parents=True)
+    text = b'{"runtimes": {"nvidia": {"path": "/usr/bin/nvidia-container-runtime"}}}\n'
+    daemon.write_bytes(text)
+    res = once(env(host, named, source, RUNTIME="docker"))
+    assert_untouched(res, host, named, {daemon: text}, "already has a runtime 'nvidia'")
+
+
+def test_a_symlinked_config_is_refused_not_followed(source, tmp_path):
+    host, named = scratch(tmp_path)
+    real = tmp_path / "elsewhere.toml"
+    real.write_text(MAIN)
+    (host / "etc/containerd").mkdir(parents=True)
+    os.symlink(real, host / "etc/containerd/config.toml")
+    res = once(env(host, named, source))
+    assert_untouched(res, host, named, {real: MAIN.encode()}, "not a regular file")
+    assert os.path.islink(host / "etc/containerd/config.toml")
+
+
+def _unshared(script_: str, e: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script_, "sh", *CLI,
+                           "install"], env={**e, "NO_DAEMON": "true"}, capture_output=True, text=True, timeout=120)
+
+
+def test_a_read_only_config_directory_leaves_everything_as_it_was(source, tmp_path):
+    host, named = scratch(tmp_path)
+    main = host / "etc/containerd/config.toml"
+    main.parent.mkdir(parents=True)
+    main.write_text(MAIN)
+    d = host / "etc/containerd"
+    res = _unshared(f'mount --bind {d} {d} && mount -o remount,bind,ro {d} && exec "$@"', env(host, named, source))
+    assert_untouched(res, host, named, {main: MAIN.encode()}, "Read-only file system")
+
+
+def test_a_read_only_usr_falls_back_to_opt_in_one_line(source, tmp_path):
+    host, _ = scratch(tmp_path)
+    usr = host / "usr"
+    e = env(host, Path("/x"), source)
+    del e["TOOLKIT_INSTALL_DIR"]
+    res = _unshared(f'mount --bind {usr} {usr} && mount -o remount,bind,ro {usr} && exec "$@"', e)
+    assert res.returncode == 0, res.stderr
+    assert "/usr/local/nvcontainer is not writable (Read-only file system): installing into /opt/nvcontainer" \
+        in res.stderr
+    dropin = tomllib.loads((host / containerd_setup.DROPIN.lstrip("/")).read_text())
+    handler = dropin["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["nvidia"]
+    assert handler["options"]["BinaryName"] == "/opt/nvcontainer/current/bin/nvidia-container-runtime"
+    assert (host / "opt/nvcontainer/current/bin/nvidia-container-runtime").is_file()
+
+
+def test_a_host_glibc_older_than_the_trees_is_one_line(source, tmp_path):
+    host, named = scratch(tmp_path)
+    lib = host / "lib/x86_64-linux-gnu"
+    lib.mkdir(parents=True)
+    (lib / "libc.so.6").write_bytes(b"\x7fELF" + b"\0GLIBC_2.2.5\0GLIBC_2.17\0GLIBC_PRIVATE\0")
+    dynamic = tmp_path / "tree"
+    shutil.copytree(source, dynamic, symlinks=True)
+    shutil.copy2("/usr/bin/true", dynamic / "bin/true")   # linked against this machine's glibc
+    res = once(env(host, named, dynamic))
+    assert res.returncode == 1 and "the host's glibc is 2.17; the programs to install need 2." in res.stderr
+    assert not os.path.lexists(named / "current")
+    # the same tree on a host as new as ours installs; a tree with its own libc needs none
+    assert tree.glibc_problem(tree.tree_needs(str(dynamic)), (2, 99)) is None
+    (dynamic / "lib").mkdir()
+    (dynamic / "lib/libc.so.6").write_bytes(b"\x7fELF")
+    assert tree.tree_needs(str(dynamic)) is None
+
+
+def fake_engine(sock: Path, *, supervised: bool) -> subprocess.Popen:
+    """A process answering on ``sock`` that SIGHUP ends, as it ends containerd; ``supervised``:
+    started again by a loop, as systemd's Restart= would."""
+    serve = (f"import socket,os;s=socket.socket(socket.AF_UNIX);"
+             f"os.path.exists('{sock}') and os.unlink('{sock}');s.bind('{sock}');s.listen(8)\n"
+             "while True: s.accept()[0].close()")
+    loop = f'while true; do {sys.executable} -c "{serve}"; sleep 0.2; done' if supervised else \
+        f'exec {sys.executable} -c "{serve}"'
+    p = subprocess.Popen(["sh", "-c", loop], start_new_session=True)
+    for _ in range(100):
+        if sock.exists():
+            break
+        time.sleep(0.05)
+    return p
+
+
+@pytest.mark.parametrize("supervised", [True, False])
+def test_restart_by_signal_waits_for_the_engine_or_puts_its_files_back(source, tmp_path, supervised):
+    host, named = scratch(tmp_path)
+    main = host / "etc/containerd/config.toml"
+    main.parent.mkdir(parents=True)
+    main.write_text(MAIN)
+    (host / "run/containerd").mkdir()
+    engine_ = fake_engine(host / "run/containerd/containerd.sock", supervised=supervised)
+    try:
+        res = once(env(host, named, source, RUNTIME_RESTART_MODE="signal", RUNTIME_RESTART_TIMEOUT="3"))
+    finally:
+        os.killpg(engine_.pid, signal.SIGKILL)
+        engine_.wait()
+    if supervised:
+        assert res.returncode == 0 and "containerd restarted (signal): answering on /run/containerd/containerd.sock" \
+            in res.stderr, res.stderr
+        assert containerd_setup.DROPIN in main.read_text()
+    else:
+        assert_untouched(res, host, named, {main: MAIN.encode()}, "did not answer on /run/containerd/containerd.sock")
+
+
+def test_killed_mid_install_leaves_nothing_half_written_and_the_next_run_completes(source, tmp_path):
+    host, named = scratch(tmp_path)
+    main = host / "etc/containerd/config.toml"
+    main.parent.mkdir(parents=True)
+    main.write_text(MAIN)
+    for delay in (0.3, 0.5, 0.7, 0.9, 1.1):
+        p = start(env(host, named, source))
+        time.sleep(delay)
+        p.kill()
+        p.communicate()
+        if os.path.lexists(named / "current"):   # points at a whole version, never a staging one
+            assert (named / "current/bin/nvidia-container-runtime").is_file()
+        dropin = host / containerd_setup.DROPIN.lstrip("/")
+        if dropin.exists():
+            tomllib.loads(dropin.read_text())                       # whole, never half
+        assert main.read_text() in (MAIN, containerd_setup.HEADER and main.read_text())
+        tomllib.loads(main.read_text())
+    p = start(env(host, named, source))
+    wait_ready(p, host)
+    assert not [n for n in os.listdir(named / "versions") if n.startswith(tree.STAGING)]
+    stop(p)
+    assert main.read_text() == MAIN
+
+
+# ---- two installers, and a rolling update -------------------------------------------------------
+
+
+def test_a_second_installer_stands_by_and_takes_over_with_its_version_atomically(source, tmp_path):
+    host, named = scratch(tmp_path)
+    main = host / "etc/containerd/config.toml"
+    main.parent.mkdir(parents=True)
+    main.write_text(MAIN)
+    newer = tmp_path / "newer"
+    shutil.copytree(source, newer, symlinks=True)
+    (newer / "VERSION").write_text("the next build\n")
+    first = start(env(host, named, source))
+    wait_ready(first, host)
+    old = os.readlink(named / "current")
+    second = start(env(host, named, newer))
+    time.sleep(1.5)
+    assert second.poll() is None and os.readlink(named / "current") == old   # standing by, nothing written
+    seen = []
+    import threading
+
+    done = threading.Event()
+
+    def watch():   # what a container starting meanwhile finds: always a whole version
+        while not done.is_set():
+            seen.append(os.path.isfile(named / "current/bin/nvidia-container-runtime")
+                        and (host / containerd_setup.DROPIN.lstrip("/")).exists())
+
+    t = threading.Thread(target=watch)
+    t.start()
+    err = stop(first)
+    assert "another installer stands by; handing the node over as it is" in err
+    for _ in range(300):
+        if os.readlink(named / "current") != old:
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)
+    done.set()
+    t.join()
+    assert seen and all(seen)
+    new = os.readlink(named / "current")
+    assert new != old and (named / new / "VERSION").exists()
+    assert sorted(os.listdir(named / "versions")) == sorted([os.path.basename(old), os.path.basename(new)])
+    stop(second)
+    assert main.read_text() == MAIN and not os.path.lexists(named / "current")

@@ -301,6 +301,7 @@ def run(s: Settings) -> int:
     if lock is None:
         say("stopped while standing by: nothing done")
         return 0
+    node.unready()   # one a killed installer left says nothing about this run
     try:
         node.install()
         changed = False if s.no_runtime_config else node.register()
