@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -437,3 +438,45 @@ def test_a_second_installer_stands_by_and_takes_over_with_its_version_atomically
     assert sorted(os.listdir(named / "versions")) == sorted([os.path.basename(old), os.path.basename(new)])
     stop(second)
     assert main.read_text() == MAIN and not os.path.lexists(named / "current")
+
+
+# ---- the installed programs in a root with no Python ---------------------------------------------
+
+
+def busybox_node(tmp_path: Path) -> Path:
+    """A node root with busybox only (no Python, no libc), and a stand-in runc that says it ran."""
+    root = tmp_path / "node"
+    (root / "bin").mkdir(parents=True)
+    shutil.copy2("/bin/busybox", root / "bin/busybox")
+    for tool in ("sh", "cat", "echo"):
+        os.symlink("busybox", root / f"bin/{tool}")
+    for d in ("etc", "usr/local", "usr/sbin", "run", "tmp"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    script(root / "usr/sbin/runc", '#!/bin/sh\necho "runc $*" >> /tmp/ran\n')
+    (root / "dev").mkdir()
+    os.mknod(root / "dev/null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    return root
+
+
+def test_in_a_busybox_root_a_create_without_a_gpu_never_leaves_native_code(source, tmp_path):
+    root = busybox_node(tmp_path)
+    res = once({**env(root, Path("/x"), source), "TOOLKIT_INSTALL_DIR": "/usr/local/nvcontainer"})
+    assert res.returncode == 0, res.stderr
+    # no interpreter in the root: the tree's python3 is a link to one outside it
+    assert not [p for p in root.rglob("python*") if not p.is_symlink()]
+    front = "/usr/local/nvcontainer/current/bin/nvidia-container-runtime"
+    for name, env_ in (("plain", []), ("gpu", ["NVIDIA_VISIBLE_DEVICES=0"])):
+        b = root / "b" / name
+        b.mkdir(parents=True)
+        (b / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "process": {"args": ["sh"], "env": env_},
+                                                   "root": {"path": "rootfs"}}))
+    plain = subprocess.run([shutil.which("chroot"), str(root), front, "create", "--bundle", "/b/plain", "c1"],
+                           capture_output=True, text=True, timeout=30, env={})
+    assert plain.returncode == 0 and (root / "tmp/ran").read_text() == "runc create --bundle /b/plain c1\n", \
+        plain.stderr
+    # a GPU create needs the server or the tree's own interpreter: this tree's is outside the root,
+    # so it stops with one line and runc never runs
+    gpu = subprocess.run([shutil.which("chroot"), str(root), front, "create", "--bundle", "/b/gpu", "c2"],
+                         capture_output=True, text=True, timeout=30, env={})
+    assert gpu.returncode != 0 and len(gpu.stderr.strip().splitlines()) == 1, gpu.stderr
+    assert "runtime error: cannot run" in gpu.stderr and (root / "tmp/ran").read_text().count("\n") == 1
