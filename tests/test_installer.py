@@ -480,3 +480,36 @@ def test_in_a_busybox_root_a_create_without_a_gpu_never_leaves_native_code(sourc
                          capture_output=True, text=True, timeout=30, env={})
     assert gpu.returncode != 0 and len(gpu.stderr.strip().splitlines()) == 1, gpu.stderr
     assert "runtime error: cannot run" in gpu.stderr and (root / "tmp/ran").read_text().count("\n") == 1
+
+
+# ---- the DaemonSet ---------------------------------------------------------------------------------
+
+
+def test_the_installer_daemonset_says_what_the_code_reads():
+    from tests.test_k8s_manifests import container_of, objects, one
+
+    objs = objects("base")
+    ds = one(objs, "DaemonSet", "nvcontainer-installer")
+    spec = ds["spec"]["template"]["spec"]
+    c = container_of(ds)
+    env_ = {e["name"]: e["value"] for e in c["env"]}
+    known = {n for names in installer_settings.VARIABLES.values() for n in names}
+    assert set(env_) <= known, set(env_) - known
+    s = installer_settings.settings(env_, {})
+    assert (s.runtime, s.restart_mode, s.set_as_default, s.serve) == ("containerd", "signal", False, True)
+    assert c["readinessProbe"]["exec"]["command"] == ["test", "-f", s.on_host(s.ready_file)]
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert spec["hostPID"] is True and spec["terminationGracePeriodSeconds"] >= 60
+    for name in ("nvcontainer-device-plugin", "nvcontainer-node-labeller"):   # they wait for it
+        (init,) = one(objs, "DaemonSet", name)["spec"]["template"]["spec"]["initContainers"]
+        assert init["command"][3:] == ["install", "--wait-ready"]
+
+
+def test_wait_ready_returns_once_the_file_is_there(tmp_path):
+    ready = tmp_path / "toolkit-ready"
+    p = subprocess.Popen([*CLI, "install", "--wait-ready", "--ready-file", str(ready)], stderr=subprocess.PIPE,
+                         text=True)
+    time.sleep(1.5)
+    assert p.poll() is None
+    ready.write_text("x\n")
+    assert p.wait(timeout=20) == 0

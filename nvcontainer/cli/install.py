@@ -46,10 +46,16 @@ def _flag(name: str, help_: str):
 @_flag("serve", "Run the installed nvcontainer serve in the host's root (NVCONTAINER_SERVE). [default: off]")
 @click.option("--cdi-refresh", type=float, default=None,
               help="Seconds between CDI spec refreshes (NVCONTAINER_CDI_REFRESH). [60]")
-def install(**options) -> None:
+@click.option("--wait-ready", is_flag=True,
+              help="Install nothing: wait until the ready file exists, then exit (the other DaemonSets' "
+                   "init containers; the file as this container sees it).")
+def install(wait_ready: bool, **options) -> None:
     """Install the node stack from this image onto the host, register it with the engine, keep
     the CDI spec fresh, and put the node back when stopped."""
     from ..installer import run, settings
+
+    if wait_ready:
+        sys.exit(run.wait_ready(options["ready_file"] or settings.READY_FILE))
 
     # a switch not given is None (the environment decides), not False
     given = {k: (None if v is False and k in ONLY_ON else v) for k, v in options.items()}

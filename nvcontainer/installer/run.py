@@ -212,7 +212,8 @@ class Node:
         say(f"wrote the CDI spec {CDI_OUTPUT} (driver {inv.driver_version})")
 
     def start_server(self) -> None:
-        """The installed ``nvcontainer serve``, in the host's root, for the fronts to hand starts to."""
+        """The installed ``nvcontainer serve``, in the host's namespaces, for the fronts to hand
+        starts to; started again if it ends. Without it the fronts do the work themselves."""
         program = os.path.join(self.bin_dir, "nvcontainer")
         if not self.s.serve or (self.server and self.server.poll() is None):
             return
@@ -220,10 +221,14 @@ class Node:
             say(f"no {program} in the installed tree: not serving (the fronts do the work themselves)")
             self.s = replace(self.s, serve=False)
             return
-        root = self.s.host_root
-        self.server = subprocess.Popen([program, "serve", "--socket", "/run/nvcontainer/hook.sock"], cwd="/",
-                                       env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
-                                       preexec_fn=lambda: (os.chroot(root), os.chdir("/")), stdin=subprocess.DEVNULL)
+        argv = [program, "serve", "--socket", "/run/nvcontainer/hook.sock"]
+        if os.path.realpath(self.s.host_root) != "/":
+            # the host's own mount and cgroup namespaces (hostPID: pid 1 is the host's init): the
+            # server declines a client that does not share them, and the fronts run in them
+            argv = ["nsenter", "--target", "1", "--mount", "--cgroup", "--", *argv]
+        self.server = subprocess.Popen(argv, cwd="/", stdin=subprocess.DEVNULL,   # not our blocked signals
+                                       preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS),
+                                       env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"})
         say(f"serving: {program} serve (pid {self.server.pid})")
 
     def ready(self) -> None:
@@ -284,6 +289,20 @@ class Node:
         except NvcError as exc:
             say(exc.detail)
         self.remove()
+
+
+def wait_ready(path: str, period: float = 5.0) -> int:
+    """Until ``path`` exists (a line now and then), then 0; 0 also when told to stop."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    said = 0.0
+    while not os.path.isfile(path):
+        if time.monotonic() - said >= 60:
+            say(f"waiting for {path}: nvcontainer install has not finished on this node")
+            said = time.monotonic()
+        if _stop_requested(period):
+            return 0
+    say(f"{path}: the node is ready")
+    return 0
 
 
 def default_source() -> str:
