@@ -126,6 +126,10 @@ class Node:
     def install(self) -> None:
         s = self.s
         tree.check_tree(self.source)
+        outside = tree.links_outside(self.source)
+        if outside:
+            say(f"note: the tree is not self-contained: {escape(', '.join(outside[:3]), 300)} (the host must have "
+                "that; scripts/bundle makes one that is)")
         problem = tree.glibc_problem(tree.tree_needs(self.source), tree.host_glibc(s.host_root))
         if problem:
             raise NvcError("install", problem)

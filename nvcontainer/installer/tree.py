@@ -94,6 +94,20 @@ def check_tree(tree: str) -> None:
                                   "(scripts/bundle makes one)")
 
 
+def links_outside(tree: str) -> list[str]:
+    """``path -> target`` for each link of the tree that leaves it (the host must then have that
+    target: the tree is not self-contained)."""
+    out = []
+    real = os.path.abspath(tree)
+    for path in _files(tree):
+        if os.path.islink(path):
+            target = os.readlink(path)
+            resolved = os.path.normpath(os.path.join(os.path.dirname(path), target))
+            if os.path.isabs(target) or not (resolved + "/").startswith(real + "/"):
+                out.append(f"{os.path.relpath(path, tree)} -> {target}")
+    return out
+
+
 def glibc_of(data: bytes) -> tuple[int, int] | None:
     """The newest ``GLIBC_2.N`` a file names (a libc defines them all up to its own version; a
     program's newest is the glibc it needs)."""
