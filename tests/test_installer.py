@@ -514,3 +514,46 @@ def test_wait_ready_returns_once_the_file_is_there(tmp_path):
     assert p.poll() is None
     ready.write_text("x\n")
     assert p.wait(timeout=20) == 0
+
+
+# ---- the CDI spec: written for the host's driver, kept fresh --------------------------------------
+
+
+def test_the_cdi_spec_names_the_installed_hook_and_is_kept_fresh(machine, source, tmp_path):
+    from tests.fixtures.fakegpu.runner import fake_proc_command
+
+    import tempfile
+
+    # NVML is loaded by a child that drops to nobody: the driver's path must be one it may walk
+    top = Path(tempfile.mkdtemp(prefix="nvc-installer-"))
+    top.chmod(0o755)
+    request_cleanup = top
+    host, named = scratch(top)
+    os.symlink(machine.root, host / "driver")          # the host's driver root, as the pod sees it
+    spec = host / "var/run/cdi/nvidia.yaml"
+    e = env(host, named, source, NVIDIA_DRIVER_ROOT="/driver", NVCONTAINER_CDI_REFRESH="0.3")
+    p = subprocess.Popen(fake_proc_command(machine, [*CLI, "install"]), env=e, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.started = time.time()
+    try:
+        wait_ready(p, host)
+        if not spec.exists():
+            p.send_signal(signal.SIGTERM)
+            raise AssertionError(p.communicate(timeout=60)[1])
+        text = spec.read_text()
+        assert "nvidia.com/gpu" in text.replace('"', "") or "kind: nvidia.com/gpu" in text, text[:400]
+        assert f"{named}/current/bin/nvcontainer-hook" in text
+        spec.unlink()                                   # gone (or stale): back within a refresh
+        for _ in range(50):
+            if spec.exists():
+                break
+            time.sleep(0.1)
+        assert spec.read_text() == text
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+        assert not spec.exists()                        # removed with the rest
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        shutil.rmtree(request_cleanup, ignore_errors=True)
+    assert "wrote the CDI spec /var/run/cdi/nvidia.yaml" in err
