@@ -57,6 +57,14 @@ def fail_line(line: str) -> None:
         pass
 
 
+def _same_root(a: str, b: str) -> bool:
+    try:
+        x, y = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
+
+
 def _stop_requested(timeout: float) -> bool:
     return signal.sigtimedwait(SIGNALS, max(timeout, 0.0)) is not None
 
@@ -226,6 +234,11 @@ class Node:
             self.s = replace(self.s, serve=False)
             return
         argv = [program, "serve", "--socket", "/run/nvcontainer/hook.sock"]
+        if not _same_root("/proc/1/root", self.s.host_root):
+            say(f"the host's init (pid 1) does not have {self.s.host_root} as its root (no hostPID, or not the "
+                "host's /): not serving")
+            self.s = replace(self.s, serve=False)
+            return
         if os.path.realpath(self.s.host_root) != "/":
             # the host's own mount and cgroup namespaces (hostPID: pid 1 is the host's init): the
             # server declines a client that does not share them, and the fronts run in them
