@@ -128,12 +128,14 @@ def test_settings_read_nvidias_variables_and_aliases():
                                      "NO_CLEANUP_ON_EXIT": "1", "CDI_ENABLED": "true"}, {})
     assert (s.set_as_default, s.socket, s.no_cleanup, s.cdi, s.restart_mode) == \
         (False, "/run/k3s/containerd/containerd.sock", True, True, "signal")
-    assert installer_settings.settings({"RUNTIME": "crio"}, {}).restart_mode == "systemd"
+    assert installer_settings.settings({"RUNTIME": "crio", "CRIO_CONFIG": "/etc/crio/crio.conf"}, {}).restart_mode \
+        == "systemd"
     assert installer_settings.settings({"RUNTIME": "docker"}, {"set_as_default": False}).set_as_default is False
     for bad, word in [({"RUNTIME": "rkt"}, "RUNTIME="), ({"RUNTIME_RESTART_MODE": "kill"}, "RUNTIME_RESTART_MODE="),
                       ({"NO_CLEANUP_ON_EXIT": "maybe"}, "NO_CLEANUP_ON_EXIT="),
                       ({"CONTAINERD_RUNTIME_CLASS": "gpu"}, "CONTAINERD_RUNTIME_CLASS="),
-                      ({"TOOLKIT_INSTALL_DIR": "usr/x"}, "TOOLKIT_INSTALL_DIR=")]:
+                      ({"TOOLKIT_INSTALL_DIR": "usr/x"}, "TOOLKIT_INSTALL_DIR="),
+                      ({"CONTAINERD_CONFIG": "/etc/k3s/config.toml"}, "CONTAINERD_CONFIG=")]:
         with pytest.raises(NvcError, match=word):
             installer_settings.settings(bad, {})
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from ..errors import NvcError, escape
-from ..records import record
+from ..records import record, replace
 
 ENGINES = ("containerd", "crio", "docker")
 RESTART_MODES = ("signal", "systemd", "none")
@@ -30,6 +30,8 @@ SOCKETS = {"containerd": "/run/containerd/containerd.sock", "crio": "/var/run/cr
 CONFIGS = {"containerd": "/etc/containerd/config.toml", "crio": "/etc/crio/crio.conf.d/99-nvidia.toml",
            "docker": "/etc/docker/daemon.json"}
 DROP_INS = {"containerd": "/etc/containerd/conf.d/99-nvidia.toml", "crio": "/etc/crio/crio.conf.d/99-nvidia.toml"}
+# the paths NVIDIA's installer defaults to, accepted as meaning "the engine's usual files"
+NVIDIA_DEFAULTS = {("crio", "config"): ("/etc/crio/crio.conf",)}
 RESTART_DEFAULTS = {"containerd": "signal", "crio": "systemd", "docker": "signal"}
 UNITS = {"containerd": "containerd", "crio": "crio", "docker": "docker"}
 
@@ -155,12 +157,11 @@ def settings(env: dict[str, str], options: dict[str, object]) -> Settings:
             values[key] = _absolute(name, str(value))
     s = Settings(**values)
     fixed = {"config": CONFIGS[engine], "drop_in": DROP_INS.get(engine, "")}
-    for key, path in fixed.items():   # setup writes the engines' usual files
-        if getattr(s, key) and getattr(s, key) != path:
+    for key, path in fixed.items():   # setup writes the engines' usual files (NVIDIA's defaults too)
+        value = getattr(s, key)
+        if value and value != path and value not in NVIDIA_DEFAULTS.get((engine, key), ()):
             name = given[key][0]
-            raise NvcError("input", f"{name}='{escape(getattr(s, key), 80)}': nvcontainer writes {engine}'s "
+            raise NvcError("input", f"{name}='{escape(value, 80)}': nvcontainer writes {engine}'s "
                                     f"{'drop-in' if key == 'drop_in' else 'configuration'} at {path or 'none'} only")
-    from ..records import replace
-
     return replace(s, config=fixed["config"], drop_in=fixed["drop_in"], socket=s.socket or SOCKETS[engine],
                    restart_mode=s.restart_mode or RESTART_DEFAULTS[engine])
