@@ -171,6 +171,8 @@ def test_containerd_cri_gpu_pod_then_sigterm_restores_byte_for_byte(machine, sou
     err = stop(p)
     assert "putting the node back" in err
     assert main.read_bytes() == before                       # byte for byte
+    assert os.listdir(main.parent) == ["config.toml"] or sorted(os.listdir(main.parent)) == ["conf.d", "config.toml"]
+    assert not os.listdir(main.parent / "conf.d")             # no backup, no drop-in left
     assert not (host / containerd_setup.DROPIN.lstrip("/")).exists()
     assert not (host / "run/nvcontainer/validations/toolkit-ready").exists()
     assert not os.path.lexists(named / "current") and not (named / "versions").exists()
@@ -236,6 +238,7 @@ def test_dockerd_runtime_nvidia_then_sigterm_restores(machine, source, node_etc,
     assert served.count("runtime request from pid ") == 1, served   # the GPU create, handed to the server
     stop(p)
     assert daemon.read_bytes() == before
+    assert os.listdir(daemon.parent) == ["daemon.json"]      # the backup went with the restore
 
 
 # ---- faults: one line, the engine's files intact, nothing left half-written -----------------------

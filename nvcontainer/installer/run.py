@@ -278,13 +278,31 @@ class Node:
         from ..setup import engines, perform, record
 
         s = self.s
-        steps = engines.undo(s.runtime, record.load(s.host_root, s.runtime), engines.world(s.host_root))
+        entries = record.load(s.host_root, s.runtime)
+        steps = engines.undo(s.runtime, entries, engines.world(s.host_root))
         report = perform.perform(steps, prefix=s.host_root, stamp=time.strftime("%Y%m%dT%H%M%S"))
         for line in report.splitlines():
             if line.startswith(("restored ", "removed ", "left ")):
                 say(line)
         self.registered = False
+        self._drop_backups(entries)
         return bool(steps.changes)
+
+    def _drop_backups(self, entries: list[dict]) -> None:
+        """The backups a restore put back, removed: a pod restarted a hundred times must not
+        leave a hundred copies of the engine's file beside it. One the file no longer equals
+        (the restore did not happen, or someone changed it since) stays."""
+        from ..setup.perform import current
+
+        for e in entries:
+            backup, path = e.get("backup"), e.get("file") or e.get("link")
+            if not backup or not path or "file" not in e:
+                continue
+            try:
+                if current(self.at(path)) == current(self.at(backup)) is not None:
+                    os.unlink(self.at(backup))
+            except (OSError, NvcError):
+                pass
 
     def remove(self) -> None:
         if self.cdi_written:
