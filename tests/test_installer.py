@@ -568,3 +568,37 @@ def test_serve_is_refused_where_pid_1_does_not_have_the_host_root(source, tmp_pa
     host, named = scratch(tmp_path)
     res = once(env(host, named, source, NVCONTAINER_SERVE="true"))
     assert res.returncode == 0 and "does not have" in res.stderr and "not serving" in res.stderr, res.stderr
+
+
+def test_dockerd_reloads_on_the_signal_and_keeps_its_pid(source, tmp_path):
+    host, named = scratch(tmp_path)
+    (host / "var/run").mkdir(parents=True, exist_ok=True)
+    sock = host / "var/run/docker.sock"
+    serve = (f"import signal,socket,os;signal.signal(signal.SIGHUP,lambda *a:open('{tmp_path}/hup','w').close());"
+             f"s=socket.socket(socket.AF_UNIX);s.bind('{sock}');s.listen(8)\n"
+             "while True: s.accept()[0].close()")
+    engine_ = subprocess.Popen([sys.executable, "-c", serve])
+    try:
+        for _ in range(100):
+            if sock.exists():
+                break
+            time.sleep(0.05)
+        res = once(env(host, named, source, RUNTIME="docker", RUNTIME_RESTART_MODE="signal"))
+    finally:
+        engine_.kill()
+        engine_.wait()
+    assert res.returncode == 0, res.stderr
+    assert f"docker reloaded (signal): answering on /var/run/docker.sock (pid {engine_.pid})" in res.stderr
+    assert (tmp_path / "hup").exists()
+
+
+def test_another_nvidia_handler_in_containerd_2s_layout_is_named():
+    from nvcontainer.installer import engine
+
+    files = {"/etc/containerd/config.toml": 'version = 3\n[plugins."io.containerd.cri.v1.runtime".containerd.runtimes'
+                                            '.nvidia.options]\nBinaryName = "/usr/local/nvidia/toolkit/nvidia-'
+                                            'container-runtime"\n'}
+    why = engine.conflict("containerd", files.get, lambda p: [], "/usr/local/nvcontainer/current/bin/x")
+    assert "already has a runtime 'nvidia' (/usr/local/nvidia/toolkit/nvidia-container-runtime)" in why
+    assert engine.conflict("containerd", {"/etc/containerd/config.toml": "version = 3\n"}.get, lambda p: [], "x") \
+        is None
