@@ -602,3 +602,102 @@ def test_another_nvidia_handler_in_containerd_2s_layout_is_named():
     assert "already has a runtime 'nvidia' (/usr/local/nvidia/toolkit/nvidia-container-runtime)" in why
     assert engine.conflict("containerd", {"/etc/containerd/config.toml": "version = 3\n"}.get, lambda p: [], "x") \
         is None
+
+
+# ---- a real containerd restarted by the signal, its running containers kept ----------------------
+
+# the world: containerd under a loop that starts it again when it exits (its service manager's
+# part), a long-running pod, then (after the installer ran) that pod's state and a GPU pod
+RESTART_WORLD = r"""
+set -e
+base=$1 config=$2 etc=$3
+shift 3
+mount -t tmpfs -o mode=755 nvc-run /run
+mkdir -p "$base/etc-upper" "$base/etc-work"
+mount -t overlay nvc-etc -o "lowerdir=$etc:/etc,upperdir=$base/etc-upper,workdir=$base/etc-work" /etc
+( while [ ! -e "$base/stop" ]; do containerd --config "$config" >> "$base/containerd.log" 2>&1 || true; done ) &
+for i in $(seq 150); do [ -S "$base/c.sock" ] && break; sleep 0.1; done
+for image in image.tar pause.tar; do
+    ctr --address "$base/c.sock" -n k8s.io images import --snapshotter native "$base/$image" > /dev/null
+done
+set +e
+"$@"
+rc=$?
+touch "$base/stop"; pkill -x containerd; wait
+exit $rc
+"""
+
+RESTART_CLIENT = r"""
+import os, time
+IMAGE = sys.argv[3]
+def connect():
+    global channel
+    channel = grpc.insecure_channel("unix://" + sock)
+def call(method, request):
+    rpc = channel.unary_unary("/runtime.v1.RuntimeService/" + method, request_serializer=None,
+                              response_deserializer=None)
+    return fields(rpc(request, timeout=120))
+def pod(name, handler, env, script):
+    p = msg(1, msg(1, name), msg(2, "u-" + name), msg(3, "default")) + msg(3, logs) + msg(8, msg(2, msg(1, num(1, 2))))
+    sandbox = call("RunPodSandbox", msg(1, p) + msg(2, handler))[1][0].decode()
+    config = msg(1, msg(1, name)) + msg(2, msg(1, IMAGE)) + msg(3, "/bin/sh") + msg(3, "-c") + msg(3, script) \
+        + b"".join(msg(6, msg(1, k), msg(2, v)) for k, v in (e.split("=", 1) for e in env)) + msg(11, name + ".log")
+    container = call("CreateContainer", msg(1, sandbox) + msg(2, config) + msg(3, p))[1][0].decode()
+    call("StartContainer", msg(1, container))
+    return container
+def state(container):
+    return fields(call("ContainerStatus", msg(1, container))[1][0]).get(3, [0])[0]
+connect()
+long = pod("long", "", [], "sleep 300")
+time.sleep(1)
+print("BEFORE", state(long), flush=True)
+open(os.path.join(logs, "..", "phase1"), "w").close()
+while not os.path.exists(os.path.join(logs, "..", "phase2")):
+    time.sleep(0.1)
+connect()
+print("AFTER", state(long), flush=True)
+gpu = pod("gpu", "nvidia", ["NVIDIA_VISIBLE_DEVICES=0"], "cat /dev/nvidia0 2>&1 | head -1")
+for _ in range(300):
+    if state(gpu) == 2:
+        break
+    time.sleep(0.1)
+print("GPU", open(os.path.join(logs, "gpu.log")).read().strip().split(" ", 3)[-1], flush=True)
+"""
+
+
+def test_containerd_restarted_by_the_signal_keeps_running_containers_and_runs_gpu_pods(
+        machine, source, node_etc, tmp_path):
+    need("containerd", "ctr", "runc")
+    pytest.importorskip("grpc")
+    from tests.fixtures.fakegpu.runner import fake_proc_command
+
+    base = cri.prepare(tmp_path / "c")
+    host, named = scratch(tmp_path)
+    main = host / "etc/containerd/config.toml"
+    main.parent.mkdir(parents=True)
+    main.write_bytes((base / "config.toml").read_bytes())
+    (host / "run/containerd").mkdir()
+    os.symlink(base / "c.sock", host / "run/containerd/containerd.sock")   # the engine's socket on the host
+    helpers = cri.CLIENT[:cri.CLIENT.index("sock, logs, wanted")]
+    client = [sys.executable, "-I", "-c", helpers + "sock, logs = sys.argv[1], sys.argv[2]\n" + RESTART_CLIENT,
+              str(base / "c.sock"), str(base / "logs"), cri.IMAGE]
+    inner = ["sh", "-c", RESTART_WORLD, "sh", str(base), str(main), f"{host / 'etc'}:{node_etc}", *client]
+    world = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--propagation", "private",
+                              "--", *fake_proc_command(machine, inner)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        for _ in range(600):
+            if (base / "phase1").exists() or world.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert (base / "phase1").exists(), world.communicate(timeout=30)
+        res = once(env(host, named, source, RUNTIME_RESTART_MODE="signal", RUNTIME_RESTART_TIMEOUT="30"))
+        (base / "phase2").touch()
+        out, err = world.communicate(timeout=300)
+    finally:
+        if world.poll() is None:
+            world.kill()
+    context = f"{res.stderr}\n{out}\n{err}\n{cri.log(base)}"
+    assert res.returncode == 0 and "containerd restarted (signal)" in res.stderr, context
+    assert "BEFORE 1" in out and "AFTER 1" in out, context               # CONTAINER_RUNNING throughout
+    assert f"GPU cat: can't open '/dev/nvidia0': {ENXIO}" in out, context  # the handler it now has
