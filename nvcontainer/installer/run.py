@@ -226,14 +226,16 @@ class Node:
     def start_server(self) -> None:
         """The installed ``nvcontainer serve``, in the host's namespaces, for the fronts to hand
         starts to; started again if it ends. Without it the fronts do the work themselves."""
-        program = os.path.join(self.bin_dir, "nvcontainer")
+        program = os.path.join(self.bin_dir, "python3")
         if not self.s.serve or (self.server and self.server.poll() is None):
             return
         if not os.access(self.at(program), os.X_OK):
-            say(f"no {program} in the installed tree: not serving (the fronts do the work themselves)")
+            say(f"no {program} in the installed tree (or it leads nowhere): not serving")
             self.s = replace(self.s, serve=False)
             return
-        argv = [program, "serve", "--socket", "/run/nvcontainer/hook.sock"]
+        # the tree's interpreter, not the console script, whose #! names where the package put it
+        argv = [program, "-I", "-m", "nvcontainer", "serve", "--socket",
+                "/run/nvcontainer/hook.sock"]
         if not _same_root("/proc/1/root", self.s.host_root):
             say(f"the host's init (pid 1) does not have {self.s.host_root} as its root (no hostPID, or not the "
                 "host's /): not serving")
@@ -246,7 +248,7 @@ class Node:
         self.server = subprocess.Popen(argv, cwd="/", stdin=subprocess.DEVNULL,   # not our blocked signals
                                        preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS),
                                        env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"})
-        say(f"serving: {program} serve (pid {self.server.pid})")
+        say(f"serving: {program} -m nvcontainer serve (pid {self.server.pid})")
 
     def ready(self) -> None:
         path = self.at(self.s.ready_file)
