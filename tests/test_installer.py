@@ -701,3 +701,39 @@ def test_containerd_restarted_by_the_signal_keeps_running_containers_and_runs_gp
     assert res.returncode == 0 and "containerd restarted (signal)" in res.stderr, context
     assert "BEFORE 1" in out and "AFTER 1" in out, context               # CONTAINER_RUNNING throughout
     assert f"GPU cat: can't open '/dev/nvidia0': {ENXIO}" in out, context  # the handler it now has
+
+
+# the installer killed (SIGKILL's os._exit: no finally, no handler) right before or right after it
+# writes containerd's config.toml, the drop-in already written
+KILLED_AT = r"""
+import os, sys
+from nvcontainer.setup import perform
+real = perform._write
+def write(path, content, mode):
+    if path.endswith("/etc/containerd/config.toml") and sys.argv[1] == "before":
+        os._exit(9)
+    real(path, content, mode)
+    if path.endswith("/etc/containerd/config.toml"):
+        os._exit(9)
+perform._write = write
+from nvcontainer.cli.main import main
+main(["install"])
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_killed_between_two_engine_writes_the_next_run_takes_both_back(source, tmp_path, when):
+    host, named = scratch(tmp_path)
+    main = host / "etc/containerd/config.toml"
+    main.parent.mkdir(parents=True)
+    main.write_text(MAIN)
+    e = env(host, named, source)
+    res = subprocess.run([sys.executable, "-c", KILLED_AT, when], env=e, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 9, res.stderr
+    assert (host / containerd_setup.DROPIN.lstrip("/")).exists()
+    assert (main.read_text() == MAIN) == (when == "before")
+    p = start(e)
+    wait_ready(p, host)
+    stop(p)
+    assert main.read_text() == MAIN
+    assert not (host / containerd_setup.DROPIN.lstrip("/")).exists()
