@@ -737,3 +737,16 @@ def test_killed_between_two_engine_writes_the_next_run_takes_both_back(source, t
     stop(p)
     assert main.read_text() == MAIN
     assert not (host / containerd_setup.DROPIN.lstrip("/")).exists()
+
+
+def test_a_node_set_up_by_hand_is_left_to_the_package(source, tmp_path):
+    host, named = scratch(tmp_path)
+    main = host / "etc/containerd/config.toml"
+    main.parent.mkdir(parents=True)
+    main.write_text(MAIN)
+    subprocess.run([*CLI, "setup", "containerd", "--prefix", str(host), "--engine-version", "1.6.20", "--hook-path",
+                    str(VENV / "nvcontainer-hook")], check=True, capture_output=True, timeout=120)
+    before = {p: p.read_bytes() for p in (main, host / containerd_setup.DROPIN.lstrip("/"))}
+    res = once(env(host, named, source))
+    assert res.returncode == 1 and "nvcontainer setup did that" in res.stderr, res.stderr
+    assert {p: p.read_bytes() for p in before} == before

@@ -59,6 +59,12 @@ def conflict(engine: str, read, expand, ours: str) -> str | None:
         own = read(containerd.DROPIN)
         if own is not None and not own.startswith(containerd.HEADER.splitlines()[0][:40]):
             return f"{containerd.DROPIN} is not nvcontainer's (NVIDIA's toolkit writes one there): remove it first"
+        if own is not None:
+            mine = _handler_path(tomltext.parse(own, containerd.DROPIN).get("plugins", {}), ("containerd", "runtimes",
+                                                                                          "nvidia", "options",
+                                                                                          "BinaryName"))
+            if mine and mine != ours:
+                return _by_hand(containerd.DROPIN, mine, engine)
         main_text = read(containerd.MAIN)
         main = tomltext.parse(main_text, containerd.MAIN) if main_text is not None else {}
         key = containerd.CRI[containerd.layout(main, None, containerd.MAIN)] if main else None
@@ -72,6 +78,11 @@ def conflict(engine: str, read, expand, ours: str) -> str | None:
         own = read(engines.CRIO_DROPIN)
         if own is not None and not own.startswith(engines.CRIO_HEADER.splitlines()[0][:40]):
             return f"{engines.CRIO_DROPIN} is not nvcontainer's (NVIDIA's toolkit writes one there): remove it first"
+        if own is not None:
+            mine = _handler_path({"x": tomltext.parse(own, engines.CRIO_DROPIN)},
+                                 ("crio", "runtime", "runtimes", "nvidia", "runtime_path"))
+            if mine and mine != ours:
+                return _by_hand(engines.CRIO_DROPIN, mine, engine)
         path, where = None, ""
         for f in ["/etc/crio/crio.conf", *expand("/etc/crio/crio.conf.d/*")]:
             if f == engines.CRIO_DROPIN:
@@ -85,6 +96,22 @@ def conflict(engine: str, read, expand, ours: str) -> str | None:
         return f"{where} already has a runtime 'nvidia' ({escape(path, 120)}): remove it first, or run NVIDIA's " \
                "toolkit instead of this one"
     return None
+
+
+def _handler_path(plugins: dict, keys: tuple[str, ...]) -> str | None:
+    """The path at ``keys`` under any one section of ``plugins`` (CRI's v2 or v3 key)."""
+    for section in plugins.values():
+        node = section
+        for k in keys:
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, str):
+            return node
+    return None
+
+
+def _by_hand(where: str, path: str, engine: str) -> str:
+    return (f"{where} registers {escape(path, 120)}: nvcontainer setup did that (by hand or the package); "
+            f"leave this node to it, or run 'nvcontainer setup {engine} --undo' first")
 
 
 def engine_pid(sock: str) -> int | None:
