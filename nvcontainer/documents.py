@@ -1,0 +1,89 @@
+"""JSON and TOML documents from outside, parsed within bounds: the one place every reader of an
+API server's answer, a claim's record, a kubelet's reply or an operator's file goes through.
+
+Why one helper: each parser has its own ways to fail besides a syntax error, and each was met
+in the wild as a traceback rather than a line: nesting deep enough to exhaust the stack
+(``RecursionError``; JSON nested 100,000 deep from an API server), an integer of more than
+4300 digits (``ValueError`` from ``int``), bytes that are not UTF-8, and a size nobody bounded.
+So: the size is checked before a byte is parsed, the nesting after (on the text, in C-speed
+passes, and only when the text has more brackets than the bound), and every failure is one
+:class:`NvcError` line naming ``what`` was read. The callers keep their own policy: the bound,
+the error category, what shape the value must have.
+"""
+
+from __future__ import annotations
+
+import re
+
+from . import jsontext
+from .errors import NvcError, escape
+
+MAX_DEPTH = 64             # no document we read nests deeper than a dozen levels
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_INNERMOST = re.compile(r"\[\]|\{\}")
+
+
+def json_value(data, what: str, *, cap: int, depth: int = MAX_DEPTH, category: str = "input", **hooks):
+    """``data`` (bytes or str) as JSON; ``hooks``: ``object_pairs_hook``/``parse_constant`` as
+    ``json.loads`` takes them. One line naming ``what`` for anything but a value within bounds."""
+    if not isinstance(data, (bytes, bytearray, str)):
+        raise NvcError(category, f"{what}: expected bytes")
+    if len(data) > cap:
+        raise NvcError(category, f"{what}: larger than {cap} bytes")
+    try:
+        text = bytes(data).decode("utf-8") if not isinstance(data, str) else data
+        value = jsontext.loads(text, **hooks)
+    except RecursionError:
+        raise NvcError(category, f"{what}: JSON nested deeper than {depth} levels") from None
+    except UnicodeError:
+        raise NvcError(category, f"{what}: not UTF-8") from None
+    except ValueError as exc:     # JSONDecodeError, and int()'s digit limit
+        raise NvcError(category, f"{what}: invalid JSON: {escape(exc, 120)}") from None
+    if isinstance(value, (dict, list)) and _too_deep(_STRING.sub("", text), depth):
+        raise NvcError(category, f"{what}: JSON nested deeper than {depth} levels")
+    return value
+
+
+def toml_value(text: str, what: str, *, cap: int, depth: int = MAX_DEPTH, category: str = "input") -> dict:
+    """``text`` as TOML (tomllib), with the same bounds and one line for every failure."""
+    import tomllib
+
+    if len(text) > cap:
+        raise NvcError(category, f"{what}: larger than {cap} bytes")
+    try:
+        value = tomllib.loads(text)
+    except RecursionError:
+        raise NvcError(category, f"{what}: nested deeper than {depth} levels") from None
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise NvcError(category, f"{what}: {escape(exc, 200)}") from None
+    if _value_deeper(value, depth):      # [a.b.c...] headers nest without brackets
+        raise NvcError(category, f"{what}: nested deeper than {depth} levels")
+    return value
+
+
+def _too_deep(text: str, limit: int) -> bool:
+    """Whether ``text`` (strings already taken out) nests brackets deeper than ``limit``. A
+    text with no more openers than the bound cannot; otherwise innermost pairs are taken out,
+    one level a pass, ``limit`` passes at most."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    brackets = _NOT_BRACKET.sub("", text)
+    for _ in range(limit):
+        inner = _INNERMOST.sub("", brackets)
+        if inner == brackets:
+            return False      # unbalanced: the parser has already said so
+        brackets = inner
+    return bool(_INNERMOST.search(brackets))
+
+
+def _value_deeper(value, limit: int) -> bool:
+    """Whether a parsed value's containers nest deeper than ``limit`` (iteratively: the check
+    must not be what exhausts the stack)."""
+    level = [value]
+    for _ in range(limit):
+        level = [v for c in level if isinstance(c, (dict, list))
+                 for v in (c.values() if isinstance(c, dict) else c)]
+        if not any(isinstance(v, (dict, list)) for v in level):
+            return False
+    return True
