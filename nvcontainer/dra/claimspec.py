@@ -35,13 +35,13 @@ KIND = f"{VENDOR}/{CLASS}"
 PREFIX = f"{VENDOR}-{CLASS}_"
 SUFFIX = ".yaml"
 RECORD = "nvcontainer-dra-claim:"
-_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,62}$")
+_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")   # whole: fullmatch ("x\n" passed ^...$)
 
 
 def check_uid(uid: str) -> str:
     """Claim UIDs are Kubernetes UIDs (RFC 4122 text); anything else is refused before it
     becomes part of a file or device name."""
-    if not isinstance(uid, str) or not _UID.match(uid):
+    if not isinstance(uid, str) or not _UID.fullmatch(uid):
         raise NvcError("input", f"claim UID {escape(str(uid), 80)}: not a UID")
     return uid
 
@@ -54,7 +54,7 @@ def uid_of(name: str) -> str | None:
     """The claim UID a spec file of ours is named for, or None for any other file."""
     if name.startswith(PREFIX) and name.endswith(SUFFIX):
         uid = name[len(PREFIX):-len(SUFFIX)]
-        return uid if _UID.match(uid) else None
+        return uid if _UID.fullmatch(uid) else None
     return None
 
 

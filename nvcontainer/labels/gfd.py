@@ -131,7 +131,7 @@ def _whole_gpus(inv: Inventory, settings: Settings) -> dict[str, str]:
 
 def _architecture(gpu: Gpu) -> dict[str, str]:
     major, _, minor = gpu.arch.partition(".")
-    if not major.isdigit() or not minor.isdigit() or int(major) == 0:
+    if not (major + minor).isascii() or not major.isdigit() or not minor.isdigit() or int(major) == 0:
         return {}
     return {f"{GPU}.family": family(int(major), int(minor)), f"{GPU}.compute.major": major,
             f"{GPU}.compute.minor": minor}

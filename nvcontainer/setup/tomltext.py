@@ -18,7 +18,7 @@ import tomllib
 
 from ..errors import NvcError, escape
 
-_BARE = re.compile(r"^[A-Za-z0-9_-]+$")
+_BARE = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def parse(text: str, where: str) -> dict:
@@ -30,7 +30,7 @@ def parse(text: str, where: str) -> dict:
 
 
 def _key(key: str) -> str:
-    return key if _BARE.match(key) else json.dumps(key)
+    return key if _BARE.fullmatch(key) else json.dumps(key)
 
 
 def _value(value: object) -> str:
