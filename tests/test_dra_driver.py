@@ -23,7 +23,7 @@ from nvcontainer.cdi import store
 from nvcontainer.dra import checkpoint, claimspec
 from tests.fixtures.dra_kubelet import FakeDraKubelet
 from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
-from tests.fixtures.kubeapi import FakeApiServer
+from tests.fixtures.kubeapi import FakeApiServer, answer
 from tests.fixtures.kubelet import Plugin, inject_event, plugin_config
 
 NODE = "node-a"
@@ -362,3 +362,31 @@ def test_an_mps_claim_s_daemon_outlives_a_plugin_restart_and_goes_with_unprepare
         for pid in started():
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_trickling_api_server_holds_no_worker_past_the_deadline(machine, tmp_path, server):
+    """Issue 35: the API server trickles every answer a byte at a time (each byte inside the
+    per-read timeout). Eight claims at once (more than the plugin's worker threads) each end at
+    their deadline with one line, an unprepare meanwhile is answered, and once the server is
+    well a claim is prepared: nothing is wedged."""
+    node = Node(tmp_path)
+    good = put(server, "good", ["gpu-0"])
+    many = [put(server, f"slow-{i}", ["gpu-1"]) for i in range(8)]
+    with driver(machine, node, server) as (kubelet, plugin):
+        assert kubelet.prepare(good)[good[2]][0] == ""
+        body = b'{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {}}' + b" " * 400
+        server.hostile = answer(body, trickle=0.1)       # 48 s a body; the deadline is 5 - 2 s
+        start = time.monotonic()
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(kubelet.prepare, *many, timeout=5)
+            time.sleep(1)
+            assert kubelet.unprepare(good) == {good[2]: ""}
+            got = pending.result(timeout=10)
+        assert time.monotonic() - start < 6
+        assert all("default/slow-" in error and "\n" not in error for error, _ in got.values()), got
+        server.hostile = None
+        again = put(server, "again", ["gpu-0"])
+        start = time.monotonic()
+        assert kubelet.prepare(again, timeout=5)[again[2]][0] == ""
+        assert time.monotonic() - start < 2
+        assert "Traceback" not in plugin.stderr()
