@@ -13,15 +13,13 @@ the error category, what shape the value must have.
 
 from __future__ import annotations
 
-import re
-
 from . import jsontext
 from .errors import NvcError, escape
 
 MAX_DEPTH = 64             # no document we read nests deeper than a dozen levels
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-_INNERMOST = re.compile(r"\[\]|\{\}")
+_STRING = r'"[^"\\]*(?:\\.[^"\\]*)*"'     # re compiles these on first use: the hook's
+_NOT_BRACKET = r"[^\[\]{}]+"                # start, whose documents are shallow, never imports re
+_INNERMOST = r"\[\]|\{\}"
 
 
 def json_value(data, what: str, *, cap: int, depth: int = MAX_DEPTH, category: str = "input", **hooks):
@@ -40,7 +38,7 @@ def json_value(data, what: str, *, cap: int, depth: int = MAX_DEPTH, category: s
         raise NvcError(category, f"{what}: not UTF-8") from None
     except ValueError as exc:     # JSONDecodeError, and int()'s digit limit
         raise NvcError(category, f"{what}: invalid JSON: {escape(exc, 120)}") from None
-    if isinstance(value, (dict, list)) and _too_deep(_STRING.sub("", text), depth):
+    if isinstance(value, (dict, list)) and _too_deep(text, depth):
         raise NvcError(category, f"{what}: JSON nested deeper than {depth} levels")
     return value
 
@@ -63,18 +61,21 @@ def toml_value(text: str, what: str, *, cap: int, depth: int = MAX_DEPTH, catego
 
 
 def _too_deep(text: str, limit: int) -> bool:
-    """Whether ``text`` (strings already taken out) nests brackets deeper than ``limit``. A
-    text with no more openers than the bound cannot; otherwise innermost pairs are taken out,
-    one level a pass, ``limit`` passes at most."""
+    """Whether valid JSON ``text`` nests deeper than ``limit``. A text with no more openers
+    than the bound cannot; otherwise, strings taken out, innermost pairs are taken out one level
+    a pass, ``limit`` passes at most (each pass in C; the strings' pattern is linear on valid
+    JSON, which the text is by now)."""
     if text.count("[") + text.count("{") <= limit:
         return False
-    brackets = _NOT_BRACKET.sub("", text)
+    import re
+
+    brackets = re.sub(_NOT_BRACKET, "", re.sub(_STRING, "", text))
     for _ in range(limit):
-        inner = _INNERMOST.sub("", brackets)
+        inner = re.sub(_INNERMOST, "", brackets)
         if inner == brackets:
-            return False      # unbalanced: the parser has already said so
+            return False
         brackets = inner
-    return bool(_INNERMOST.search(brackets))
+    return bool(re.search(_INNERMOST, brackets))
 
 
 def _value_deeper(value, limit: int) -> bool:

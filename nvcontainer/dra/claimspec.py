@@ -25,6 +25,7 @@ import re
 
 from ..cdi import generate, yamltext
 from ..cdi.spec import Spec
+from ..documents import json_value
 from ..errors import NvcError, escape
 from ..records import replace
 from ..request.selection import AllowList
@@ -35,6 +36,7 @@ KIND = f"{VENDOR}/{CLASS}"
 PREFIX = f"{VENDOR}-{CLASS}_"
 SUFFIX = ".yaml"
 RECORD = "nvcontainer-dra-claim:"
+MAX_RECORD = 1 << 16
 _UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")   # whole: fullmatch ("x\n" passed ^...$)
 
 
@@ -91,8 +93,8 @@ def record_of(text: str) -> dict | None:
         line = line.lstrip("# ").rstrip()
         if line.startswith(RECORD):
             try:
-                entry = json.loads(line[len(RECORD):])
-            except ValueError:
+                entry = json_value(line[len(RECORD):], "record", cap=MAX_RECORD)
+            except NvcError:
                 return None
             return entry if isinstance(entry, dict) else None
     return None
