@@ -390,3 +390,35 @@ def test_a_trickling_api_server_holds_no_worker_past_the_deadline(machine, tmp_p
         assert kubelet.prepare(again, timeout=5)[again[2]][0] == ""
         assert time.monotonic() - start < 2
         assert "Traceback" not in plugin.stderr()
+
+
+def test_hostile_claims_and_answers_are_one_line_each_and_the_plugin_keeps_serving(machine, tmp_path, server):
+    """Issue 35 under the served path: a ten-character quantity that was computed for 16 s on
+    the event loop, a per-device key int() cannot read, and answers that are no claim (an HTML
+    page, an array, JSON nested 100,000 deep): each claim gets one line, at once."""
+    node = Node(tmp_path)
+
+    def mps(**config):
+        return [{"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": API, "kind": "GpuConfig", "sharing": {"strategy": "MPS", "mpsConfig": config}}}}]
+
+    huge = put(server, "huge", ["gpu-0"], configs=mps(defaultPinnedDeviceMemoryLimit="1e10000000"))
+    key = put(server, "key", ["gpu-0"], configs=mps(defaultPerDevicePinnedMemoryLimit={"\u00b2": "1Gi"}))
+    with driver(machine, node, server) as (kubelet, plugin):
+        start = time.monotonic()
+        got = kubelet.prepare(huge, key, timeout=10)
+        assert time.monotonic() - start < 3
+        assert "defaultPinnedDeviceMemoryLimit: 1e10000000: out of range" in got[huge[2]][0]
+        assert "defaultPerDevicePinnedMemoryLimit: \u00b2: names no device" in got[key[2]][0]
+        for body, content_type, line in ((b"<html>login</html>", "text/html", "invalid JSON"),
+                                         (b"[]", "application/json", "JSON list, not an object"),
+                                         (b"[" * 100_000 + b"]" * 100_000, "application/json", "nested deeper")):
+            server.hostile = answer(body, content_type=content_type)
+            claim = put(server, f"c-{len(body)}", ["gpu-0"])
+            error, devices = kubelet.prepare(claim, timeout=10)[claim[2]]
+            assert line in error and "\n" not in error and devices == [], error
+        server.hostile = None
+        good = put(server, "good", ["gpu-0"])
+        assert kubelet.prepare(good, timeout=10)[good[2]][0] == ""
+        assert node.specs() == [claimspec.file_name(good[2])]
+        assert "Traceback" not in plugin.stderr()
