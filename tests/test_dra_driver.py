@@ -418,6 +418,13 @@ def test_hostile_claims_and_answers_are_one_line_each_and_the_plugin_keeps_servi
             error, devices = kubelet.prepare(claim, timeout=10)[claim[2]]
             assert line in error and "\n" not in error and devices == [], error
         server.hostile = None
+        newline = ("default", "newline", "0000-newline\n")     # a UID that passed ^...$ with re.match
+        server.put_claim({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                          "metadata": {"namespace": "default", "name": "newline", "uid": newline[2]},
+                          "status": {"allocation": {"devices": {"results": [
+                              {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0"}]}}}})
+        error, _ = kubelet.prepare(newline, timeout=10)[newline[2]]
+        assert "not a UID" in error and node.specs() == []
         good = put(server, "good", ["gpu-0"])
         assert kubelet.prepare(good, timeout=10)[good[2]][0] == ""
         assert node.specs() == [claimspec.file_name(good[2])]

@@ -304,3 +304,30 @@ def test_the_deadline_is_lifted_after_the_call(server, api):
         api.get_claim("default", "c1", deadline=time.monotonic() + 0.5)
     server.hostile = None
     assert api.get_claim("default", "c1", deadline=time.monotonic() + 5)["metadata"]["name"] == "c1"
+
+
+def test_a_server_killed_mid_answer_is_retried_then_one_line(server, api):
+    """Half an answer, then the connection dropped (a server killed mid-request): retried while
+    there is time, then one line; a whole answer after it is read."""
+    server.put_claim(claim())
+    whole = claim_bytes()
+    cut = [0]
+
+    def half(handler) -> None:
+        cut[0] += 1
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(whole)))
+        handler.end_headers()
+        handler.wfile.write(whole[:len(whole) // 2])
+        handler.wfile.flush()
+        handler.connection.shutdown(2)
+
+    server.hostile = half
+    start = time.monotonic()
+    with pytest.raises(NvcError) as err:
+        api.get_claim("default", "c1", deadline=time.monotonic() + 1)
+    assert time.monotonic() - start < 1.5 and cut[0] >= 2
+    assert "\n" not in str(err.value) and "attempt(s)" in err.value.detail
+    server.hostile = None
+    assert api.get_claim("default", "c1", deadline=time.monotonic() + 5)["metadata"]["uid"] == "u-1"
