@@ -138,9 +138,10 @@ def test_in_cluster_configuration_over_tls(tmp_path, monkeypatch):
         server.stop()
 
 
-def test_bad_kubeconfig_is_one_line(tmp_path):
+@pytest.mark.parametrize("text", ["{not yaml: [", "[" * 100_000])
+def test_bad_kubeconfig_is_one_line(tmp_path, text):
     path = tmp_path / "k"
-    path.write_text("{not yaml: [")
+    path.write_text(text)
     with pytest.raises(NvcError, match=r"^kubernetes error: kubeconfig .*/k: "):
         kubeapi.load_config(str(path))
 

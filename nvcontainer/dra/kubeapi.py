@@ -78,9 +78,10 @@ def load_config(kubeconfig: str | None = None, *, service_account: str | None = 
         if service_account is not None:
             return KubeConfig.from_service_account(service_account)
         return KubeConfig.from_env()
-    except (ConfigError, YAMLError, OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
+    except (ConfigError, YAMLError, OSError, KeyError, ValueError, TypeError, AttributeError, RecursionError) as exc:
         where = escape(kubeconfig or service_account or os.environ.get("KUBECONFIG", "in-cluster"), 120)
-        raise NvcError("kubernetes", f"kubeconfig {where}: {_why(exc)}") from None
+        why = "nested too deeply" if isinstance(exc, RecursionError) else _why(exc)
+        raise NvcError("kubernetes", f"kubeconfig {where}: {why}") from None
 
 
 class KubeApi:
