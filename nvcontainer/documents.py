@@ -22,9 +22,12 @@ _NOT_BRACKET = r"[^\[\]{}]+"                # start, whose documents are shallow
 _INNERMOST = r"\[\]|\{\}"
 
 
-def json_value(data, what: str, *, cap: int, depth: int = MAX_DEPTH, category: str = "input", **hooks):
+def json_value(data, what: str, *, cap: int, depth: int | None = MAX_DEPTH, category: str = "input", **hooks):
     """``data`` (bytes or str) as JSON; ``hooks``: ``object_pairs_hook``/``parse_constant`` as
-    ``json.loads`` takes them. One line naming ``what`` for anything but a value within bounds."""
+    ``json.loads`` takes them. One line naming ``what`` for anything but a value within bounds.
+    ``depth`` None: only the parser's own bound (the interpreter's recursion limit), for the
+    hook's start, where a depth pass over a runtime's seccomp-laden spec would cost a
+    millisecond of every container start."""
     if not isinstance(data, (bytes, bytearray, str)):
         raise NvcError(category, f"{what}: expected bytes")
     if len(data) > cap:
@@ -33,12 +36,13 @@ def json_value(data, what: str, *, cap: int, depth: int = MAX_DEPTH, category: s
         text = bytes(data).decode("utf-8") if not isinstance(data, str) else data
         value = jsontext.loads(text, **hooks)
     except RecursionError:
-        raise NvcError(category, f"{what}: JSON nested deeper than {depth} levels") from None
+        bound = f"deeper than {depth} levels" if depth is not None else "too deeply"
+        raise NvcError(category, f"{what}: JSON nested {bound}") from None
     except UnicodeError:
-        raise NvcError(category, f"{what}: not UTF-8") from None
+        raise NvcError(category, f"{what}: invalid JSON: not UTF-8") from None
     except ValueError as exc:     # JSONDecodeError, and int()'s digit limit
         raise NvcError(category, f"{what}: invalid JSON: {escape(exc, 120)}") from None
-    if isinstance(value, (dict, list)) and _too_deep(text, depth):
+    if depth is not None and isinstance(value, (dict, list)) and _too_deep(text, depth):
         raise NvcError(category, f"{what}: JSON nested deeper than {depth} levels")
     return value
 
