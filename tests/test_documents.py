@@ -92,3 +92,12 @@ def test_a_dra_checkpoint_nested_deep_is_one_line(tmp_path):
 def test_a_claim_record_nested_deep_is_no_record():
     text = f"# {claimspec.RECORD}" + nested(100_000) + "\n"
     assert claimspec.record_of(text) is None
+
+
+def test_an_engine_toml_nested_deep_is_one_line():
+    from nvcontainer.setup import tomltext
+
+    with pytest.raises(NvcError) as err:
+        tomltext.parse("a = " + "[" * 100_000, "/etc/containerd/config.toml")
+    assert err.value.category == "setup"
+    assert "config.toml: not valid TOML: nested deeper than 64 levels" in err.value.detail
