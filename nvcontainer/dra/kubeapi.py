@@ -45,7 +45,7 @@ DEFAULT_BUDGET = 30.0                           # a call, when the caller gives 
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 2.0
 RETRIED = frozenset({408, 429, 500, 502, 503, 504})
-MAX_BODY = 8 << 20          # bytes of one answer: an object is at most 1.5 MiB in etcd
+MAX_BODY = 3 << 20          # bytes of one answer: etcd keeps an object of 1.5 MiB at most, the API server takes 3 MiB
 PAGE = 500                  # slices a list page asks for (this node's, this driver's: a few)
 CHUNK = 1 << 16
 
