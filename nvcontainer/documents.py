@@ -5,10 +5,12 @@ Why one helper: each parser has its own ways to fail besides a syntax error, and
 in the wild as a traceback rather than a line: nesting deep enough to exhaust the stack
 (``RecursionError``; JSON nested 100,000 deep from an API server), an integer of more than
 4300 digits (``ValueError`` from ``int``), bytes that are not UTF-8, and a size nobody bounded.
-So: the size is checked before a byte is parsed, the nesting after (on the text, in C-speed
-passes, and only when the text has more brackets than the bound), and every failure is one
-:class:`NvcError` line naming ``what`` was read. The callers keep their own policy: the bound,
-the error category, what shape the value must have.
+So: the size is checked before a byte is parsed, and so is a JSON text's nesting (in C-speed
+passes, linear on any text, and only when it has more brackets than the bound: no value of a
+million lists is built to be refused); a TOML value's nesting after (``[a.b.c...]`` headers nest
+without brackets); and every failure is one :class:`NvcError` line naming ``what`` was read.
+The callers keep their own policy: the bound, the error category, what shape the value must
+have.
 """
 
 from __future__ import annotations
