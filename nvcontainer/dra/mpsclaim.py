@@ -27,6 +27,7 @@ from ..cdi.spec import Mount, Spec
 from ..errors import NvcError, escape
 from ..kubelet import mpscontrol
 from ..records import record, replace
+from . import opaque
 
 DIRECTORY = "mps"
 CONTAINER_PIPE = "/tmp/nvidia-mps"
@@ -67,7 +68,8 @@ def plan(state_dir: str, uid: str, devices: list[dict], label: str) -> Plan | No
             limits.update({i: s["pinnedLimit"] for i in range(len(uuids))})
     for s in asking:
         for key, amount in s.get("perDeviceLimits") or ():
-            uuid = order[int(key)] if key.isdigit() and int(key) < len(order) else key
+            index = opaque.device_index(key)
+            uuid = order[index] if index is not None and index < len(order) else key
             if uuid in uuids:
                 limits[uuids.index(uuid)] = amount
     return Plan(state_dir, uid, uuids, threads.pop() if threads else None,

@@ -56,10 +56,14 @@ def control_binary(inv) -> str:
 
 
 def is_pipe(path: str) -> bool:
+    """Whether the daemon's control endpoint is there: a named pipe up to CUDA 12, a Unix socket
+    from CUDA 13 on (its log says "Starting control daemon using socket"; seen on a real H200,
+    docs/real-gpu.md). Checked with lstat: a symbolic link planted in its place is neither."""
     try:
-        return stat.S_ISFIFO(os.lstat(path).st_mode)
+        mode = os.lstat(path).st_mode
     except OSError:
         return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
 def daemon_env(directory: str, visible: str) -> dict[str, str]:
