@@ -1,4 +1,4 @@
-"""benchmarks/realgpu.py's ``installer`` step (issue 33): ``nvcontainer install`` on a real GPU
+"""The real-GPU check's ``installer`` step (issue 33): ``nvcontainer install`` on a real GPU
 node, into a scratch node root, and a container started through what it installed.
 
 The node has no engine, so the step plays one: the installer runs as the DaemonSet's container
@@ -21,6 +21,8 @@ import subprocess
 import time
 import tomllib
 from pathlib import Path
+
+from .shell import GPU_ENV, sh
 
 MAIN = 'version = 2\n# a node\'s own file\n[plugins."io.containerd.grpc.v1.cri"]\n  sandbox_image = "pause:3"\n'
 DROPIN = "etc/containerd/conf.d/99-nvidia.toml"
@@ -73,7 +75,6 @@ def installer(node, template: Path) -> None:
         handler = tomllib.loads((host / DROPIN).read_text())["plugins"]["io.containerd.grpc.v1.cri"]["containerd"][
             "runtimes"]["nvidia"]["options"]["BinaryName"]
         out["handler"] = handler
-        from .realgpu import GPU_ENV, sh
 
         bundle = node.bundle(template, [], GPU_ENV, ["nvidia-smi", "-L"])
         run = sh([handler, "--root", str(node.work / "runc-state"), "run", "--bundle", str(bundle), bundle.name],

@@ -1,8 +1,8 @@
-"""The Kubernetes-side steps of ``benchmarks/realgpu.py`` (``mps``, ``dra``, ``ps``): what the
+"""The real-GPU check's Kubernetes-side steps (``mps``, ``dra``, ``ps``): what the
 tests prove on the fake GPU machine, checked once against a real GPU and driver.
 
 Why a module of its own: these steps share the image, bundles and hook registration of
-:class:`benchmarks.realgpu.Node`, but each drives a node agent (the MPS control daemon, the DRA
+:class:`benchmarks.realgpu.node.Node`, but each drives a node agent (the MPS control daemon, the DRA
 kubelet plugin) or a reader of the node (``nvcontainer ps``) as Kubernetes would, and what a
 container gets is computed by the product's own pure code (the device plugin's Allocate, the
 claim's CDI spec applied as engines apply it), never restated here; so a real run checks the
@@ -29,6 +29,8 @@ import sys
 import time
 import types
 from pathlib import Path
+
+from .shell import GPU_ENV, sh
 
 MPS_TABLE = {"sharing": "mps", "replicas": 2}
 NODE_NAME = "realgpu-node"
@@ -166,14 +168,12 @@ def _tail(path: Path, n: int = 8000) -> str:
 
 
 def _compute_mode() -> str:
-    from .realgpu import sh
     return sh(["nvidia-smi", "-i", "0", "--query-gpu=compute_mode", "--format=csv,noheader"])["stdout"].strip()
 
 
 def _clients(control: list[str], env: dict, timeout: float) -> tuple[dict, dict]:
     """``get_server_list`` and the first server's ``get_client_list``, asked until it has as
     many clients as replicas or ``timeout`` passes; the last answers."""
-    from .realgpu import sh
 
     end = time.monotonic() + timeout
     while True:
@@ -190,7 +190,6 @@ def mps(node, template: Path) -> None:
     """Two runc containers at once on GPU 0's MPS daemon, each given what Allocate hands out."""
     from nvcontainer.deviceplugin import mps as mps_module
     from nvcontainer.deviceplugin.mpsdaemon import control_binary
-    from .realgpu import GPU_ENV, sh
 
     node.say("\n== MPS: nvcontainer mps-daemon and two containers on GPU 0's replicas")
     out: dict = {"compute_mode_before": _compute_mode()}
@@ -352,7 +351,6 @@ def dra(node, template: Path) -> None:
 
 def ps(node, template: Path) -> None:
     """A container holding GPU memory, as ``nvcontainer ps --json`` shows it under GPU 0."""
-    from .realgpu import GPU_ENV, sh
 
     node.say("\n== nvcontainer ps: a running container on GPU 0")
     runc = [node.runc[0]]          # runc's default root, /run/runc, which ps reads
