@@ -34,6 +34,10 @@ from ..records import replace
 from . import values
 from .model import Config
 
+TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from typing import Any
+
 DEFAULT_PATH = "/etc/nvcontainer/config.toml"
 TOOLKIT_PATH = "/etc/nvidia-container-runtime/config.toml"
 CONFIG_CAP = 1 << 20
@@ -50,7 +54,7 @@ class _Reader:
 
     def __init__(self, source: str):
         self.source = source
-        self.values: dict[str, object] = {}
+        self.values: dict[str, Any] = {}
         self.named: dict[str, str] = {}
         self.inert: list[str] = []
 

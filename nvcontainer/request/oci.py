@@ -93,6 +93,7 @@ class _JsonObject(dict):
     the dict keeps the last duplicate, as Go does; :func:`_get` looks at ``written``."""
 
     __slots__ = ("written",)
+    written: list
 
     @classmethod
     def of(cls, pairs: list) -> "_JsonObject":
