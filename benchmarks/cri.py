@@ -52,13 +52,7 @@ SCRIPT = r"""
 set -e
 base=$1 config=$2 etc=$3 python=$4 serve_config=$5
 shift 5
-mount -t tmpfs -o mode=755 nvc-run /run
-mkdir -p "$base/etc-upper" "$base/etc-work"
-mount -t overlay nvc-etc -o "lowerdir=$etc:/etc,upperdir=$base/etc-upper,workdir=$base/etc-work" /etc
-mkdir -m 700 /run/nvcontainer
-"$python" -m nvcontainer --config "$serve_config" serve --socket /run/nvcontainer/hook.sock 2> "$base/serve.err" &
-for i in $(seq 100); do [ -S /run/nvcontainer/hook.sock ] && break; sleep 0.1; done
-containerd --config "$config" > "$base/containerd.log" 2>&1 &
+""" + dockernode.WORLD + r"""containerd --config "$config" > "$base/containerd.log" 2>&1 &
 daemon=$!
 for i in $(seq 150); do [ -S "$base/c.sock" ] && break; sleep 0.1; done
 for image in image.tar pause.tar; do
@@ -109,14 +103,7 @@ for r in range(rounds):
 
 def chain(base: Path, real: str | Path, extra: str | None = None) -> Path:
     """dockernode.chain's program, mounting the tmpfs first (CHAIN_TMPFS)."""
-    base.mkdir(parents=True, exist_ok=True)
-    source = base / "chain-tmpfs.c"
-    source.write_text(CHAIN_TMPFS)
-    program = base / "nvidia-container-runtime-hook"
-    cc = shutil.which("musl-gcc") or "gcc"
-    defines = [f'-DREAL="{real}"'] + ([f'-DEXTRA="{extra}"'] if extra is not None else [])
-    subprocess.run([cc, "-static", "-O2", *defines, "-o", str(program), str(source)], check=True)
-    return program
+    return dockernode.chain(base, real, extra, CHAIN_TMPFS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,14 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                  *fake_proc_command(machine, inner)]
         res = subprocess.run(outer, capture_output=True, text=True, timeout=3600,
                              env={"PATH": workspace.SERVER_ENV["PATH"], "HOME": str(base)})
-        samples: dict[str, list] = {arm: [] for arm in arms}
-        errors = []
-        for line in res.stdout.splitlines():
-            if line.startswith("T "):
-                _, arm, rnd, us, rc = line.split()
-                samples[arm].append((int(rnd), int(us) / 1000, int(rc)))
-            elif line.strip():
-                errors.append(line)
+        samples, errors = dockernode.samples_of(res.stdout, arms)
         timed = {arm: [ms for r, ms, rc in s if r > 0 and rc == 0] for arm, s in samples.items()}
         if any(len(s) != args.runs for s in timed.values()):
             sys.stderr.write(f"benchmarks.cri: failed pods\n{chr(10).join(errors[-10:])}\n{res.stderr[-2000:]}\n"

@@ -94,19 +94,23 @@ int main(int argc, char **argv) {
 """
 
 
+# The node's world, in a script with $base, $etc, $python and $serve_config set: /run a tmpfs,
+# /etc under an overlay of the node's files, and the resident server, waited for (docker, cri).
+WORLD = r"""mount -t tmpfs -o mode=755 nvc-run /run
+mkdir -p "$base/etc-upper" "$base/etc-work"
+mount -t overlay nvc-etc -o "lowerdir=$etc:/etc,upperdir=$base/etc-upper,workdir=$base/etc-work" /etc
+mkdir -m 700 /run/nvcontainer
+"$python" -m nvcontainer --config "$serve_config" serve --socket /run/nvcontainer/hook.sock 2> "$base/serve.err" &
+for i in $(seq 100); do [ -S /run/nvcontainer/hook.sock ] && break; sleep 0.1; done
+"""
+
 # argv: base, daemon.json, /etc layer, python for `serve`, its configuration, rounds, then the arms as
 # NAME ARG... separated by "--next". Prints "T <arm> <round> <ms> <rc>" per run.
 SCRIPT = r"""
 set -e
 base=$1 daemon=$2 etc=$3 python=$4 serve_config=$5 rounds=$6
 shift 6
-mount -t tmpfs -o mode=755 nvc-run /run
-mkdir -p "$base/etc-upper" "$base/etc-work"
-mount -t overlay nvc-etc -o "lowerdir=$etc:/etc,upperdir=$base/etc-upper,workdir=$base/etc-work" /etc
-mkdir -m 700 /run/nvcontainer
-"$python" -m nvcontainer --config "$serve_config" serve --socket /run/nvcontainer/hook.sock 2> "$base/serve.err" &
-for i in $(seq 100); do [ -S /run/nvcontainer/hook.sock ] && break; sleep 0.1; done
-[ -S /run/nvcontainer/hook.sock ] || { echo "E serve"; cat "$base/serve.err"; exit 1; }
+""" + WORLD + r"""[ -S /run/nvcontainer/hook.sock ] || { echo "E serve"; cat "$base/serve.err"; exit 1; }
 """ + dockerd.START + r"""docker -H "unix://$base/d.sock" import "$base/image.tar" nvc/busybox:test > /dev/null
 set +e
 names=() cmds=()
@@ -134,12 +138,13 @@ exit 0
 """
 
 
-def chain(base: Path, real: Path | str, extra: str | None = None) -> Path:
-    """``base/nvidia-container-runtime-hook``: :data:`CHAIN_C` built to execute ``real`` (the name
-    a hook front answers to, as argv[0] goes through), with ``extra`` as its first argument."""
+def chain(base: Path, real: Path | str, extra: str | None = None, code: str = CHAIN_C) -> Path:
+    """``base/nvidia-container-runtime-hook``: :data:`CHAIN_C` (or ``code``) built to execute
+    ``real`` (the name a hook front answers to, as argv[0] goes through), with ``extra`` as its
+    first argument."""
     base.mkdir(parents=True, exist_ok=True)
     source = base / "chain.c"
-    source.write_text(CHAIN_C)
+    source.write_text(code)
     program = base / "nvidia-container-runtime-hook"
     cc = shutil.which("musl-gcc") or "gcc"
     defines = [f'-DREAL="{real}"'] + ([f'-DEXTRA="{extra}"'] if extra is not None else [])
@@ -225,13 +230,18 @@ def run_world(base: Path, ws, machine, daemon: Path, etc: Path, arms: dict, roun
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
-    res = subprocess.CompletedProcess(outer, proc.returncode, stdout, stderr)
+    samples, errors = samples_of(stdout, arms)
+    return samples, "\n".join(errors[-20:]) + stderr[-2000:]
+
+
+def samples_of(stdout: str, arms) -> tuple[dict[str, list[tuple[int, float, int]]], list[str]]:
+    """The world's "T <arm> <round> <us> <rc>" lines as (round, ms, rc) per arm; the other lines."""
     samples: dict[str, list[tuple[int, float, int]]] = {arm: [] for arm in arms}
     errors = []
-    for line in res.stdout.splitlines():
+    for line in stdout.splitlines():
         if line.startswith("T "):
             _, arm, rnd, us, rc = line.split()
             samples[arm].append((int(rnd), int(us) / 1000, int(rc)))
         elif line.strip():
             errors.append(line)
-    return samples, "\n".join(errors[-20:]) + res.stderr[-2000:]
+    return samples, errors

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 
 from ..errors import NvcError, escape
-from ..fs.bounded import read_at_most
+from ..fs.bounded import ReadFailed, Refused, read_regular
 from ..records import replace
 from . import values
 from .model import Config
@@ -108,22 +107,15 @@ def parse(text: str, source: str = "config") -> Config:
 def _read(path: str) -> bytes | None:
     """The file's bytes, or None when it does not exist."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        return read_regular(path, CONFIG_CAP)[0]
     except FileNotFoundError:
         return None
+    except Refused as exc:
+        raise NvcError("config", f"{escape(path)}: {exc}") from None
+    except ReadFailed as exc:
+        raise NvcError("config", f"cannot read {escape(path)}: {exc.strerror}") from None
     except (OSError, ValueError) as exc:
         raise NvcError("config", f"cannot open {escape(path)}: {getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NvcError("config", f"{escape(path)}: not a regular file")
-        data, more = read_at_most(fd, CONFIG_CAP)
-        if more:
-            raise NvcError("config", f"{escape(path)}: larger than {CONFIG_CAP} bytes")
-        return data
-    except OSError as exc:
-        raise NvcError("config", f"cannot read {escape(path)}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
 
 
 def load(path: str | None = None) -> Config:
