@@ -50,4 +50,14 @@ cannot stand for one), after issue 6's absolute ones.
 ``python -m benchmarks.mountplace [RUNS]`` times the mount worker's body alone (``place``).
 ``python -m benchmarks.shim [--runs N]`` times a non-GPU container's lifecycle through the runtime
 shim (``nvidia-container-runtime``) against runc alone, and the shim's native front per call.
+
+How the folder is laid out (pyproject.toml's import-linter contract holds it): each benchmark is
+a leaf that no other imports (``docker``, ``cri``, ``dockertrace``, ``deviceplugin``, ``dra``,
+``hookprofile``, ``leases``, ``mountplace``, ``shim``, ``shimprofile``, ``frontstart``, the
+real-GPU check ``realgpu/``, and this one: ``run`` collects, ``report`` makes the table,
+``__main__`` is only its command line) over a shared harness: ``machine`` (the fake machine's
+facts and worlds), ``world`` and ``worldserver`` (run inside a world), ``dockernode`` (the
+Docker node of docker, cri and dockertrace), ``nvidia`` (NVIDIA's arm), ``workspace``,
+``stats``, ``targets`` and ``probe``. Results go to ``benchmarks/results/``; only the files
+docs/ or README cite are kept in git.
 """

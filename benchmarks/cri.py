@@ -2,7 +2,7 @@
 the kubelet starts it (RunPodSandbox, CreateContainer, StartContainer, until it exits), timed,
 NVIDIA's handler beside ours in the same run.
 
-The same node as ``benchmarks/docker.py`` (its fronts, hooks and NVIDIA's anchors, built by its
+The same node as ``benchmarks/dockernode.py`` (its fronts, hooks and NVIDIA's anchors, built by its
 ``setup``), here registered as containerd handlers: ``runc`` (the default), ``nvidia`` (our shim,
 served), ``nvidia-toolkit`` (NVIDIA's runtime 1.17.9, legacy mode). Arms: ``runc``, ``shim-nogpu``
 (handler nvidia, no GPU asked), ``served`` (handler nvidia, ``NVIDIA_VISIBLE_DEVICES=0``),
@@ -29,9 +29,9 @@ from pathlib import Path
 from tests.fixtures import cri
 from tests.fixtures.fakegpu.runner import fake_proc_command
 
-from . import docker, nvidia, stats, workspace
+from . import dockernode, nvidia, stats, workspace
 
-CHAIN_TMPFS = docker.CHAIN_C.replace("#include <sys/stat.h>", "#include <sys/stat.h>\n#include <sys/mount.h>").replace(
+CHAIN_TMPFS = dockernode.CHAIN_C.replace("#include <sys/stat.h>", "#include <sys/stat.h>\n#include <sys/mount.h>").replace(
     '        snprintf(path, sizeof path, "%s/proc/driver/nvidia", root);',
     '        snprintf(path, sizeof path, "%s/proc/driver", root);\n'
     '        if (mount("nvc-bench", path, "tmpfs", 0, "mode=755") < 0) _exit(5);\n'
@@ -52,13 +52,7 @@ SCRIPT = r"""
 set -e
 base=$1 config=$2 etc=$3 python=$4 serve_config=$5
 shift 5
-mount -t tmpfs -o mode=755 nvc-run /run
-mkdir -p "$base/etc-upper" "$base/etc-work"
-mount -t overlay nvc-etc -o "lowerdir=$etc:/etc,upperdir=$base/etc-upper,workdir=$base/etc-work" /etc
-mkdir -m 700 /run/nvcontainer
-"$python" -m nvcontainer --config "$serve_config" serve --socket /run/nvcontainer/hook.sock 2> "$base/serve.err" &
-for i in $(seq 100); do [ -S /run/nvcontainer/hook.sock ] && break; sleep 0.1; done
-containerd --config "$config" > "$base/containerd.log" 2>&1 &
+""" + dockernode.WORLD + r"""containerd --config "$config" > "$base/containerd.log" 2>&1 &
 daemon=$!
 for i in $(seq 150); do [ -S "$base/c.sock" ] && break; sleep 0.1; done
 for image in image.tar pause.tar; do
@@ -108,29 +102,22 @@ for r in range(rounds):
 
 
 def chain(base: Path, real: str | Path, extra: str | None = None) -> Path:
-    """docker.chain's program, mounting the tmpfs first (CHAIN_TMPFS)."""
-    base.mkdir(parents=True, exist_ok=True)
-    source = base / "chain-tmpfs.c"
-    source.write_text(CHAIN_TMPFS)
-    program = base / "nvidia-container-runtime-hook"
-    cc = shutil.which("musl-gcc") or "gcc"
-    defines = [f'-DREAL="{real}"'] + ([f'-DEXTRA="{extra}"'] if extra is not None else [])
-    subprocess.run([cc, "-static", "-O2", *defines, "-o", str(program), str(source)], check=True)
-    return program
+    """dockernode.chain's program, mounting the tmpfs first (CHAIN_TMPFS)."""
+    return dockernode.chain(base, real, extra, CHAIN_TMPFS)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cri", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20, help="timed pods per arm, after the first (default 20)")
     parser.add_argument("--anchors", type=Path, default=nvidia.TARBALL)
-    parser.add_argument("--out", type=Path, default=docker.RESULTS)
+    parser.add_argument("--out", type=Path, default=dockernode.RESULTS)
     args = parser.parse_args(argv)
     load_start = os.getloadavg()
     ws, machine = workspace.with_machine("nvc-bench-cri-")
     base = ws.base.parent
     try:
         cri.prepare(base)
-        daemon, etc, _docker_arms, about = docker.setup(base, ws, machine, args.anchors)
+        daemon, etc, _docker_arms, about = dockernode.setup(base, ws, machine, args.anchors)
         runtimes = json.loads(daemon.read_text())["runtimes"]
         node = base / "node"
         chain(node / "hook-served", ws.native_client)            # the served front's hook, with the tmpfs
@@ -161,14 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                  *fake_proc_command(machine, inner)]
         res = subprocess.run(outer, capture_output=True, text=True, timeout=3600,
                              env={"PATH": workspace.SERVER_ENV["PATH"], "HOME": str(base)})
-        samples: dict[str, list] = {arm: [] for arm in arms}
-        errors = []
-        for line in res.stdout.splitlines():
-            if line.startswith("T "):
-                _, arm, rnd, us, rc = line.split()
-                samples[arm].append((int(rnd), int(us) / 1000, int(rc)))
-            elif line.strip():
-                errors.append(line)
+        samples, errors = dockernode.samples_of(res.stdout, arms)
         timed = {arm: [ms for r, ms, rc in s if r > 0 and rc == 0] for arm, s in samples.items()}
         if any(len(s) != args.runs for s in timed.values()):
             sys.stderr.write(f"benchmarks.cri: failed pods\n{chr(10).join(errors[-10:])}\n{res.stderr[-2000:]}\n"
@@ -185,12 +165,12 @@ def main(argv: list[str] | None = None) -> int:
             o = over.get(arm)
             lines.append(f"{arm:<14}{m['median']:9.1f}{m['p95']:9.1f}{m['min']:9.1f}{'' if o is None else f'{o:+11.1f}'}")
         if ratio is not None:
-            lines.append(f"served overhead / NVIDIA's: {ratio:.2f}x (target <= {docker.RATIO_TARGET}x: "
-                         f"{'met' if ratio <= docker.RATIO_TARGET else 'NOT MET'})")
+            lines.append(f"served overhead / NVIDIA's: {ratio:.2f}x (target <= {dockernode.RATIO_TARGET}x: "
+                         f"{'met' if ratio <= dockernode.RATIO_TARGET else 'NOT MET'})")
         nogpu = stats.paired_median(timed["shim-nogpu"], timed["runc-named"])
         lines.append(f"no GPU through the handler over runc: {over['shim-nogpu']:+.1f} ms; over runc as a named "
-                     f"handler: {nogpu:+.1f} ms (target <= {docker.NOGPU_TARGET_MS} ms: "
-                     f"{'met' if nogpu <= docker.NOGPU_TARGET_MS else 'NOT MET'})")
+                     f"handler: {nogpu:+.1f} ms (target <= {dockernode.NOGPU_TARGET_MS} ms: "
+                     f"{'met' if nogpu <= dockernode.NOGPU_TARGET_MS else 'NOT MET'})")
         sys.stdout.write("\n".join(lines) + "\n")
         workspace.save(args.out, "cri", {"runs": args.runs, "nvidia_arm": about, "over_runc_ms": over,
                                          "ratio_to_nvidia": ratio, "loadavg": [load_start, load_end],

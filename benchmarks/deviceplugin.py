@@ -14,30 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def percentile(ordered: list[float], q: float) -> float:
-    """Nearest rank."""
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
-def summary(latencies: list[float]) -> dict:
-    ordered = sorted(latencies)
-    if not ordered:
-        return {"n": 0}
-    return {"n": len(ordered), "p50": percentile(ordered, 0.50), "p90": percentile(ordered, 0.90),
-            "p99": percentile(ordered, 0.99), "max": ordered[-1], "mean": sum(ordered) / len(ordered)}
+from . import stats
+from .machine import RESULTS, on_fake_machine
 
 
 def client(socket_path: str, calls: int, ids: list[str], seed: int) -> None:
@@ -109,35 +93,7 @@ def measure(machine, base: Path, calls: int = 1000, clients: int = 8) -> dict:
     latencies = [x for r in results for x in r["latencies"]]
     errors = [e for r in results for e in r["errors"]]
     return {"calls": len(latencies), "clients": clients, "errors": len(errors), "error_samples": errors[:5],
-            "wall_s": wall, "calls_per_s": len(latencies) / wall, "latency_ms": summary(latencies)}
-
-
-def on_fake_machine(name: str, measure_on, gpus: int = 8):
-    """``measure_on(machine, base)`` on a fresh ``gpus``-GPU fake machine, its result recorded
-    with the machine's facts in ``benchmarks/results/<name>-<time>.json``: (result, that path),
-    or (None, None) when not root."""
-    if os.geteuid() != 0:
-        print(f"benchmarks.{name}: run as root (the fake GPU machine needs mknod and mount namespaces)",
-              file=sys.stderr)
-        return None, None
-    from tests.fixtures.fakegpu import FakeSpec, build
-
-    from .run import machine_facts
-
-    base = Path(tempfile.mkdtemp(prefix=f"nvc-{name}-bench-"))
-    base.chmod(0o755)
-    try:
-        machine = build(base / "machine", FakeSpec(gpus=gpus))
-        facts = machine_facts()
-        result = measure_on(machine, base)
-        facts["loadavg_end"] = os.getloadavg()[0]
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    record = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": facts, **result}
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"{name}-{time.strftime('%Y-%m-%dT%H%M%SZ', time.gmtime())}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    return result, out
+            "wall_s": wall, "calls_per_s": len(latencies) / wall, "latency_ms": stats.latency_summary(latencies)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import dockernode, workspace
+
 EVENTS = "sched:sched_process_exec,sched:sched_process_exit,sched:sched_process_fork,sched:sched_switch"
 FIELDS = "comm,pid,tid,cpu,time,event,trace"
 LINE = re.compile(r"^\s*(?P<comm>.*?)\s+(?P<pid>-?\d+)/(?P<tid>-?\d+)\s+\[(?P<cpu>\d+)\]\s+"
@@ -289,12 +291,11 @@ def table(summary: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import docker, workspace
     from tests.fixtures import dockerd
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dockertrace", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10, help="traced runs per arm after the first (default 10)")
-    parser.add_argument("--anchors", type=Path, default=docker.nvidia.TARBALL)
-    parser.add_argument("--out", type=Path, default=docker.RESULTS)
+    parser.add_argument("--anchors", type=Path, default=dockernode.nvidia.TARBALL)
+    parser.add_argument("--out", type=Path, default=dockernode.RESULTS)
     parser.add_argument("--keep", type=Path, help="also write perf script's text and the tree's root pid here")
     args = parser.parse_args(argv)
     if not shutil.which("perf"):
@@ -306,13 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     data = Path(tempfile.mkdtemp(prefix="nvc-perf-")) / "perf.data"
     try:
         dockerd.prepare(base)
-        daemon, etc, arms, about = docker.setup(base, ws, machine, args.anchors)
+        daemon, etc, arms, about = dockernode.setup(base, ws, machine, args.anchors)
         perf = subprocess.Popen(["perf", "record", "-q", "-a", "-k", "CLOCK_MONOTONIC", "-e", EVENTS, "-o", str(data)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(2)     # perf's own start: the world's first fork must be seen
         try:
             roots: list[int] = []
-            samples, errors = docker.run_world(base, ws, machine, daemon, etc, arms, args.runs + 1, roots=roots)
+            samples, errors = dockernode.run_world(base, ws, machine, daemon, etc, arms, args.runs + 1, roots=roots)
         finally:
             perf.send_signal(signal.SIGINT)
             perf.wait(timeout=120)

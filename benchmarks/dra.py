@@ -24,7 +24,8 @@ import time
 import uuid
 from pathlib import Path
 
-from .deviceplugin import RESULTS, on_fake_machine, summary
+from . import stats
+from .machine import RESULTS, on_fake_machine
 
 NODE = "bench-node"
 
@@ -55,7 +56,7 @@ def sequential(kubelet, server, devices: list[str], samples: int, tag: str) -> d
         if error:
             errors.append(error)
         kubelet.unprepare(c)
-    return {"latency_ms": summary(latencies), "errors": len(errors), "error_samples": errors[:3]}
+    return {"latency_ms": stats.latency_summary(latencies), "errors": len(errors), "error_samples": errors[:3]}
 
 
 def concurrent(kubelet, server, gpus: list[str], claims: int, callers: int, cdi: Path) -> dict:
@@ -87,7 +88,7 @@ def concurrent(kubelet, server, gpus: list[str], claims: int, callers: int, cdi:
     missing = [c[2] for c in wanted if not (cdi / claimspec.file_name(c[2])).exists()]
     return {"claims": claims, "callers": callers, "errors": len(errors), "error_samples": errors[:3],
             "specs_missing": len(missing), "wall_s": wall, "claims_per_s": claims / wall,
-            "latency_ms": summary(latencies)}
+            "latency_ms": stats.latency_summary(latencies)}
 
 
 def measure(machine, base: Path, samples: int, claims: int, callers: int) -> dict:

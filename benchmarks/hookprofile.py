@@ -33,21 +33,9 @@ from nvcontainer.native import build
 from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.fakegpu.runner import fake_proc_command
 
-from . import workspace
+from . import stats, workspace
 
 HOOK_MAIN = "import sys; from nvcontainer.hook.main import main; sys.exit(main())"
-
-
-def importtime_top(text: str, limit: int) -> list[str]:
-    """The ``limit`` slowest top-level imports (cumulative µs) of ``-X importtime`` output."""
-    rows = []
-    for line in text.splitlines():
-        if not line.startswith("import time:") or "|" not in line or "cumulative" in line:
-            continue
-        _, self_us, cumulative, name = (part.strip() for part in line.replace("import time:", "|").split("|"))
-        rows.append((int(cumulative), int(self_us), name))
-    rows.sort(reverse=True)
-    return [f"{c / 1000:7.1f} ms  (self {s / 1000:5.1f})  {n}" for c, s, n in rows[:limit]]
 
 
 def _stamp(line: str) -> float:
@@ -82,7 +70,7 @@ def print_steps(logs: list[Path], runs: list[dict]) -> None:
 
 def served(ws: workspace.Workspace, machine, base: Path, runs: int, server_args: tuple = ()) -> int:
     """The served hook's steps: every container run in one world, beside its server."""
-    from .run import run_world, server_job
+    from .machine import run_world, server_job
 
     socket = ws.socket("profile")
     out = base / "probe.jsonl"
@@ -155,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         print("  -X importtime, cProfile:", ", ".join(f"{r['ms']:.0f}/{r['cpu_ms']:.0f}" for r in runs[-2:]))
         print_steps(logs, logged_runs)
         print("== imports, slowest first (cumulative) ==")
-        print("\n".join(importtime_top(err.read_text(), args.top)))
+        print("\n".join(stats.importtime_top(err.read_text(), args.top)))
         print("\n== cProfile, cumulative ==")
         pstats.Stats(str(prof), stream=sys.stdout).sort_stats("cumulative").print_stats(args.top)
     finally:
-        from .run import cleanup_cache
+        from .machine import cleanup_cache
 
         cleanup_cache(base)
         workspace.remove(base)

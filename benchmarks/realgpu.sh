@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs benchmarks/realgpu.py on a bare GPU node, as root, from the repository root:
+# Runs the real-GPU check (benchmarks/realgpu/) on a bare GPU node, as root, from the repository root:
 #
-#     benchmarks/realgpu.sh TOOLS OUT [--runs N] [--only STEPS]   (steps: realgpu.py --help)
+#     benchmarks/realgpu.sh TOOLS OUT [--runs N] [--only STEPS]   (steps: python -m benchmarks.realgpu --help)
 #
 # TOOLS is a directory with what such a node lacks: runc and a static busybox, the shared
 # libraries runc and NVIDIA's cli need (lib/), NVIDIA's tools to compare with

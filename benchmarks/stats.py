@@ -64,3 +64,29 @@ def table(rows: list[tuple[str, dict]], checks: list[tuple[str, float | None, st
             for label, value, target, met in group:
                 out.append(f"{label:{width}}       {_cell(value)}   {target:<28} {_verdict(met)}")
     return "\n".join(out) + "\n"
+
+
+def nearest_rank(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``ordered``, by nearest rank."""
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def latency_summary(latencies: list[float]) -> dict:
+    """p50, p90, p99, max and mean of many RPC latencies (the device plugin's and DRA driver's)."""
+    ordered = sorted(latencies)
+    if not ordered:
+        return {"n": 0}
+    return {"n": len(ordered), "p50": nearest_rank(ordered, 0.50), "p90": nearest_rank(ordered, 0.90),
+            "p99": nearest_rank(ordered, 0.99), "max": ordered[-1], "mean": sum(ordered) / len(ordered)}
+
+
+def importtime_top(text: str, limit: int) -> list[str]:
+    """The ``limit`` slowest top-level imports (cumulative µs) of ``-X importtime`` output."""
+    rows = []
+    for line in text.splitlines():
+        if not line.startswith("import time:") or "|" not in line or "cumulative" in line:
+            continue
+        _, self_us, cumulative, name = (part.strip() for part in line.replace("import time:", "|").split("|"))
+        rows.append((int(cumulative), int(self_us), name))
+    rows.sort(reverse=True)
+    return [f"{c / 1000:7.1f} ms  (self {s / 1000:5.1f})  {n}" for c, s, n in rows[:limit]]

@@ -71,7 +71,7 @@ def from_summaries(s: dict, at_once: int, failures: dict | None = None) -> dict:
 
 
 def from_realgpu(report: dict) -> dict:
-    """The figures of a ``benchmarks/realgpu.py`` record: its ``timing`` step (``over_none``,
+    """The figures of a real-GPU check's record (``benchmarks/realgpu/``): its ``timing`` step (``over_none``,
     ``cpu_over_none`` per arm) and its ``concurrent`` step (``p95_added`` per arm)."""
     single = report.get("timing", {}).get("summary", {})
     burst = report.get("concurrent", {})

@@ -18,6 +18,15 @@ and instances that pickle and copy as dataclasses' do (their state is their ``__
 
 from __future__ import annotations
 
+# For the type checker only (docs/testing.md): ``@record`` makes classes as ``@dataclass`` does
+# (PEP 681). The hook's path never imports ``typing`` for it: mypy takes this name as always true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, dataclass_transform
+else:
+    def dataclass_transform(**_):
+        return lambda decorated: decorated
+
 MISSING = type("MISSING", (), {"__repr__": lambda self: "MISSING"})()
 
 
@@ -39,10 +48,11 @@ class Field:
         return f"Field(name={self.name!r}, default={self.default!r})"
 
 
-def field(*, default=MISSING, default_factory=MISSING, compare=True, hash=None, repr=True) -> Field:
+def field(*, default=MISSING, default_factory=MISSING, compare=True, hash=None, repr=True) -> Any:
     return Field(default, default_factory, compare, hash, repr)
 
 
+@dataclass_transform(field_specifiers=(field, Field))
 def record(cls=None, *, mutable: bool = False):
     """Make ``cls`` a record: ``@record`` or ``@record(mutable=True)``."""
     def wrap(cls):

@@ -1,5 +1,6 @@
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,3 +25,30 @@ def native_client(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("native") / nativeclient.NAME)
     nativeclient.build(path, sys.executable)
     return path
+
+
+# The fast tier (`pytest -m fast`, docs/testing.md): the modules that test pure code (parsing,
+# deciding, bounded readers, the benchmarks' arithmetic) with neither root, nor the fake GPU
+# machine, nor a runtime or engine; under a minute, so a change to pure code gets its answer at
+# once. A module joins when all of its tests do; one that needs root or the machine stays out.
+FAST = frozenset({
+    "test_benchmarks_dockertrace.py", "test_benchmarks_targets.py", "test_bounded.py", "test_cli_argp.py",
+    "test_config.py", "test_deviceplugin_core.py", "test_dra_kubeapi.py", "test_dra_opaque.py",
+    "test_elfinfo.py", "test_ldcache.py", "test_leases_bounds.py", "test_leases_grant.py", "test_oci.py",
+    "test_records.py", "test_request.py", "test_require.py", "test_visible_devices.py",
+})
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """With ``-m fast`` alone, the other modules are not even imported (their imports, gRPC's
+    among them, would cost the tier seconds)."""
+    if (config.getoption("markexpr") == "fast" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_") and collection_path.name not in FAST):
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.path.name in FAST and item.path.parent.name == "tests":
+            item.add_marker(pytest.mark.fast)

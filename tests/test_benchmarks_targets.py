@@ -1,5 +1,5 @@
 """Issue 27's targets table (benchmarks/targets.py) over plain figures, and the fake machine's
-report (benchmarks/run.py) that ends with it: the ratios against NVIDIA's arm, the limits (a
+report (benchmarks/report.py) that ends with it: the ratios against NVIDIA's arm, the limits (a
 real node's, the fake machine's, or "needs a real GPU"), and a missing NVIDIA arm or burst
 shown as such. No timing is run here."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import run, targets
+from benchmarks import report as run, targets
 
 
 def figures(**over) -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from nvcontainer.errors import NvcError
-from nvcontainer.labels import publish
+from nvcontainer.labels import featurefile
 from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.fakegpu.runner import fake_proc_command, run_in_fake_proc
 
@@ -149,12 +149,12 @@ def test_an_unwritable_directory_keeps_the_old_file(tmp_path):
     file, the old file whole, no temporary file left."""
     features = tmp_path / "features.d"
     features.mkdir()
-    publish.write(str(features / "nvcontainer"), "old\n")
+    featurefile.write(str(features / "nvcontainer"), "old\n")
     subprocess.run(["mount", "--bind", str(features), str(features)], check=True)
     try:
         subprocess.run(["mount", "-o", "remount,bind,ro", str(features)], check=True)
         with pytest.raises(NvcError) as caught:
-            publish.write(str(features / "nvcontainer"), "new\n")
+            featurefile.write(str(features / "nvcontainer"), "new\n")
         assert caught.value.line() == (f"nvcontainer: labels error: cannot write {features / 'nvcontainer'}: "
                                        "read-only file system")
     finally:

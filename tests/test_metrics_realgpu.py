@@ -1,9 +1,9 @@
-"""benchmarks/realgpu_metrics.py's judging of a scrape, on bodies our own encoder writes (the
+"""benchmarks/realgpu/metrics.py's judging of a scrape, on bodies our own encoder writes (the
 step itself needs a real GPU: ``benchmarks/realgpu.sh TOOLS OUT --only metrics``)."""
 
 from __future__ import annotations
 
-from benchmarks import realgpu_metrics as step
+from benchmarks.realgpu import metrics as step
 from nvcontainer.metrics import counters, families, server
 from tests.test_metrics_core import U0, entry, inventory, view
 

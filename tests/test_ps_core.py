@@ -15,8 +15,8 @@ from nvcontainer.cgroups.v2 import rules_prefix
 from nvcontainer.inventory.model import Gpu
 from nvcontainer.ps import ocistate, render, scan
 from nvcontainer.ps.assemble import assemble, owner, select_gpu
-from nvcontainer.ps.identity import from_cgroup, name_from_annotations
-from nvcontainer.ps.model import Container, Lease, Process
+from nvcontainer.ps.naming import from_cgroup, name_from_annotations
+from nvcontainer.ps.model import Container, LeaseView, Process
 
 from .test_cgroups_v2 import runc_like
 
@@ -163,8 +163,8 @@ def test_assemble_per_gpu():
         Process(pid=31, gpu="GPU-0", memory=7, pidns="pid:[3]"),                          # privileged one
         Process(pid=99, gpu="GPU-0", memory=1, pidns="pid:[0]", cgroup="/"),               # the host's
     ]
-    leases = [Lease(container="b", pid=20, gpus=("GPU-2",)), Lease(container="gone", pid=77, gpus=("GPU-0",), alive=False),
-              Lease(container=ID, pid=10, gpus=("GPU-1",), alive=False)]   # a restarted container kept its ID
+    leases = [LeaseView(container="b", pid=20, gpus=("GPU-2",)), LeaseView(container="gone", pid=77, gpus=("GPU-0",), alive=False),
+              LeaseView(container=ID, pid=10, gpus=("GPU-1",), alive=False)]   # a restarted container kept its ID
     view = assemble(GPUS, {"GPU-0": {"utilization": 5, "memory_utilization": 1}}, [a, b, priv], procs, leases)
     g0, g1, g2 = view
     assert [(c["pid"], c["how"], c["running"], c["evidence"]) for c in g0["containers"]] == [
@@ -184,9 +184,9 @@ def test_a_lease_holds_only_the_init_it_names():
     c = Container(pid=10, start=500, cgroup_minors=(0,))
     def how(lease):
         return [e["how"] for e in assemble(GPUS[:1], {}, [c], [], [lease])[0]["containers"] if e["pid"] == 10]
-    assert how(Lease(container="x", pid=10, gpus=("GPU-0",), start=500)) == ["lease"]
-    assert how(Lease(container="x", pid=10, gpus=("GPU-0",), start=499)) == ["request", "lease"]   # pid reused
-    assert how(Lease(container="x", pid=11, gpus=("GPU-0",), start=500)) == ["request"]
+    assert how(LeaseView(container="x", pid=10, gpus=("GPU-0",), start=500)) == ["lease"]
+    assert how(LeaseView(container="x", pid=10, gpus=("GPU-0",), start=499)) == ["request", "lease"]   # pid reused
+    assert how(LeaseView(container="x", pid=11, gpus=("GPU-0",), start=500)) == ["request"]
 
 
 def test_owner_ignores_the_callers_own_cgroup():
@@ -197,9 +197,9 @@ def test_owner_ignores_the_callers_own_cgroup():
 
 
 def test_pending_and_gone_leases_in_the_table():
-    view = assemble(GPUS[:1], {}, [], [], [Lease(container="p", pid=0, gpus=("GPU-0",)),
-                                           Lease(container="q", pid=0, gpus=("GPU-0",), alive=False),
-                                           Lease(container="r", pid=9, gpus=("GPU-0",), alive=False)])
+    view = assemble(GPUS[:1], {}, [], [], [LeaseView(container="p", pid=0, gpus=("GPU-0",)),
+                                           LeaseView(container="q", pid=0, gpus=("GPU-0",), alive=False),
+                                           LeaseView(container="r", pid=9, gpus=("GPU-0",), alive=False)])
     text = render.text(view)
     assert "lease (pending)" in text and "lease (never started)" in text and "lease (container gone)" in text
 

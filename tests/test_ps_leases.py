@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from nvcontainer.doctor.checks import OK, WARN, Facts, evaluate
-from nvcontainer.ps.model import Lease
+from nvcontainer.ps.model import LeaseView
 from tests.fixtures import runtime
 from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
 
@@ -24,8 +24,8 @@ def leases_check(**facts):
 
 
 def test_lease_verdicts():
-    live = Lease(container="a" * 64, pid=10, gpus=("GPU-0",))
-    dead = Lease(container="b" * 64, pid=20, gpus=("GPU-1", "GPU-2"), alive=False)
+    live = LeaseView(container="a" * 64, pid=10, gpus=("GPU-0",))
+    dead = LeaseView(container="b" * 64, pid=20, gpus=("GPU-1", "GPU-2"), alive=False)
     assert leases_check().verdict == OK
     assert leases_check(leases=(live,)).detail == "1 lease(s), each held by a running container"
     stale = leases_check(leases=(live, dead))
@@ -75,5 +75,5 @@ def test_a_container_gone_without_the_server_leaves_a_stale_lease(machine, tmp_p
 
 
 def test_a_pending_lease_that_never_started_is_named_so():
-    never = Lease(container="c" * 64, pid=0, gpus=("GPU-0",), alive=False)
+    never = LeaseView(container="c" * 64, pid=0, gpus=("GPU-0",), alive=False)
     assert "container cccccccccccc (its init never started) on GPU-0" in leases_check(leases=(never,)).detail

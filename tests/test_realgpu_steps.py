@@ -1,4 +1,4 @@
-"""benchmarks/realgpu.py's ``mps``, ``dra`` and ``ps`` steps (benchmarks/realgpu_k8s.py) as far
+"""The real-GPU check's ``mps``, ``dra`` and ``ps`` steps (benchmarks/realgpu/k8s.py) as far
 as the fake machine goes: the pure helpers (what the two MPS containers are given, what the
 slice check refuses, a real claim's CDI spec applied to a runc spec, the ``ps --json`` lookup,
 the kube fixtures on a node without pytest), then each step whole, against our commands in the
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import realgpu_k8s as k8s
+from benchmarks.realgpu import k8s
 from nvcontainer.config.load import load
 from nvcontainer.deviceplugin import mps, settings as settings_module
 from nvcontainer.dra import claims, claimspec, publish, slices
@@ -131,7 +131,7 @@ def test_the_kube_fixtures_load_on_a_node_without_pytest(monkeypatch):
 
 
 class FakeNode:
-    """What the ``dra`` step uses of benchmarks/realgpu.py's Node, on the fake machine: our
+    """What the ``dra`` step uses of benchmarks/realgpu/node.py's Node, on the fake machine: our
     command run in its /proc view, and bundles recorded instead of run (no GPU, no CUDA here)."""
 
     def __init__(self, machine, tmp_path):
@@ -156,7 +156,7 @@ class FakeNode:
         self.text.append(line)
 
     def run_step(self, step, image):
-        """One of realgpu_k8s's steps, then what it registered to undo, last first (as
+        """One of benchmarks/realgpu/k8s.py's steps, then what it registered to undo, last first (as
         ``Node.cleanup`` does)."""
         try:
             step(self, image)
@@ -267,14 +267,15 @@ class TimedNode(FakeNode):
 def test_the_timing_and_concurrent_steps_end_in_issue_27_s_table(inv, tmp_path):
     """Both steps run with NVIDIA's arm beside ours; the table's ratios are theirs, judged with
     a real node's limits; without NVIDIA's arm every ratio says so."""
-    from benchmarks import realgpu, targets
+    from benchmarks import targets
+    from benchmarks.realgpu.starts import StartSteps
 
     node = TimedNode(inv[0], tmp_path)
-    realgpu.Node.timing(node, tmp_path / "image", 3)
-    realgpu.Node.concurrent(node, tmp_path / "image", 4, 1)
+    StartSteps.timing(node, tmp_path / "image", 3)
+    StartSteps.concurrent(node, tmp_path / "image", 4, 1)
     single, burst = node.report["timing"]["summary"], node.report["concurrent"]["summary"]
     assert set(burst) == {"none", "served", "hook", "nvidia"} and burst["nvidia"]["n"] == 4
-    realgpu.Node.issue27(node)
+    StartSteps.issue27(node)
     rows = {(r["target"], r["label"]): r for r in node.report["issue27"]}
     served = rows["1", "served + native client: overhead / NVIDIA's"]
     assert served["value"] == pytest.approx(single["served"]["over_none"] / single["nvidia"]["over_none"])
@@ -289,17 +290,17 @@ def test_the_timing_and_concurrent_steps_end_in_issue_27_s_table(inv, tmp_path):
     text = "\n".join(node.text)
     assert "== issue 27's targets (real node)" in text and "4 at once, served: p95 added / NVIDIA's" in text
     node.report["concurrent"]["at_once"] = 32          # judged at the size the limits are for
-    realgpu.Node.issue27(node)
+    StartSteps.issue27(node)
     rows = {(r["target"], r["label"]): r for r in node.report["issue27"]}
     for label, limit in (("served", 0.3), ("in-process", 1.0)):
         row = rows["3", f"32 at once, {label}: p95 added / NVIDIA's"]
         assert row["met"] is (row["value"] <= limit)
     node.report["concurrent"]["samples"]["none"]["failed"].append("runc: failed")
-    realgpu.Node.issue27(node)
+    StartSteps.issue27(node)
     assert {r["label"]: r for r in node.report["issue27"]}["32 at once, served: p95 added / NVIDIA's"]["met"] == \
         "not judged: failed starts none 1"
 
     del single["nvidia"], burst["nvidia"]
-    realgpu.Node.issue27(node)
+    StartSteps.issue27(node)
     ratios = [r for r in node.report["issue27"] if r["unit"] == "x"]
     assert len(ratios) == 5 and all(r["met"] == targets.NO_NVIDIA for r in ratios)

@@ -32,7 +32,7 @@ import time
 from .. import log
 from ..errors import NvcError
 from ..plan.model import Plan
-from . import ldconfig, mounter, usage, worker
+from . import cost, ldconfig, mounter, worker
 from .pin import pin
 
 
@@ -89,7 +89,7 @@ def log_placed(reply: dict, rootfs: str, started: float | None = None) -> None:
         log.warning(w)
     log.info(f"placed {reply['done']} actions in {rootfs}")
     if "usage" in reply and started is not None:
-        log.info(usage.describe("placing, in the worker", reply["usage"], started))
+        log.info(cost.describe("placing, in the worker", reply["usage"], started))
 
 
 def place_then_ldconfig(mntns_fd: int, rootfs: str, actions: list[dict], owner: list[int], held: list[int],
@@ -97,7 +97,7 @@ def place_then_ldconfig(mntns_fd: int, rootfs: str, actions: list[dict], owner: 
     """Worker body: the plan's entries and mounts, then (if the plan has it) ldconfig, as a
     second stage of the same worker, so its failures still read as ldconfig's. With
     ``measure`` (a ``--debug`` run), the reply says what the placing cost the worker."""
-    meter = usage.Meter() if measure else None
+    meter = cost.Meter() if measure else None
     try:
         before = meter.sample() if meter else None
         placed = mounter.place(mntns_fd, rootfs, actions, owner)

@@ -19,6 +19,7 @@ import os
 import select
 
 from ..errors import NvcError
+from ..fs import procstat
 from ..records import record
 
 
@@ -40,25 +41,13 @@ class Pinned:
 
 
 def parse_start_time(data: bytes) -> int | None:
-    """Field 22 of a ``/proc/PID/stat`` line. The comm before it is the process's own choice
-    (spaces, parentheses, newlines), so the fields are counted from the *last* ``)``."""
-    cut = data.rfind(b")")
-    if cut < 0:
-        return None
-    rest = data[cut + 1:].split()
-    try:
-        value = int(rest[19])
-    except (IndexError, ValueError):
-        return None
-    return value if value >= 0 else None
+    """Field 22 of a ``/proc/PID/stat`` line (:mod:`nvcontainer.fs.procstat`)."""
+    return procstat.number(data, procstat.START_TIME)
 
 
 def start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return parse_start_time(f.read(4096))
-    except OSError:
-        return None
+    data = procstat.read(pid)
+    return None if data is None else parse_start_time(data)
 
 
 def _same_namespace(fd: int, path: str) -> bool:

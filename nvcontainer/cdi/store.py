@@ -13,11 +13,11 @@ the same name defined twice at the same priority is a conflict that makes it unr
 from __future__ import annotations
 
 import os
-import secrets
-import stat
 
 from ..documents import json_value
 from ..errors import NvcError, escape
+from ..fs.bounded import ReadFailed, Refused, read_regular
+from ..fs.replace import replace
 from ..records import record
 from . import yamltext
 from .spec import validate
@@ -61,27 +61,9 @@ def write_atomic(path: str, text: str, mode: int = 0o644, sync: bool = True) -> 
         os.makedirs(directory, 0o755, exist_ok=True)
     except OSError as exc:
         raise NvcError("cdi", f"cannot create {escape(directory)}: {exc.strerror.lower()}") from None
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        replace(path, text.encode(), mode, sync=sync)   # mode exact: engines run as other users (rootless)
     except OSError as exc:
-        raise NvcError("cdi", f"cannot write in {escape(directory)}: {exc.strerror.lower()}") from None
-    try:
-        try:
-            view = memoryview(text.encode())
-            while view:
-                view = view[os.write(fd, view):]
-            os.fchmod(fd, mode)   # the umask narrowed it; engines run as other users (rootless)
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-    except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise NvcError("cdi", f"cannot write {escape(path)}: {exc.strerror.lower()}") from None
     if sync:
         _sync_dir(directory)
@@ -112,21 +94,13 @@ def parse_text(text: str, path: str) -> dict:
 def read_spec(path: str, priority: int = 0) -> SpecFile:
     """One spec file: a regular file (a symlink to one is fine), at most ``MAX_SPEC`` bytes."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        data = read_regular(path, MAX_SPEC)[0]
+    except Refused as exc:
+        raise NvcError("cdi", f"{escape(path)}: {exc}") from None
+    except ReadFailed as exc:
+        raise NvcError("cdi", f"cannot read {escape(path)}: {exc.strerror.lower()}") from None
     except OSError as exc:
         raise NvcError("cdi", f"cannot open {escape(path)}: {exc.strerror.lower()}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NvcError("cdi", f"{escape(path)}: not a regular file")
-        data = b""
-        while len(data) <= MAX_SPEC and (chunk := os.read(fd, 1 << 20)):
-            data += chunk
-    except OSError as exc:
-        raise NvcError("cdi", f"cannot read {escape(path)}: {exc.strerror.lower()}") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_SPEC:
-        raise NvcError("cdi", f"{escape(path)}: larger than {MAX_SPEC} bytes")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 
 from ..documents import toml_value
 from ..errors import NvcError, escape
-from ..fs.bounded import read_at_most
+from ..fs.bounded import ReadFailed, Refused, read_regular
 from ..records import replace
 from . import values
 from .model import Config
+
+TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from typing import Any
 
 DEFAULT_PATH = "/etc/nvcontainer/config.toml"
 TOOLKIT_PATH = "/etc/nvidia-container-runtime/config.toml"
@@ -51,7 +54,7 @@ class _Reader:
 
     def __init__(self, source: str):
         self.source = source
-        self.values: dict[str, object] = {}
+        self.values: dict[str, Any] = {}
         self.named: dict[str, str] = {}
         self.inert: list[str] = []
 
@@ -100,22 +103,15 @@ def parse(text: str, source: str = "config") -> Config:
 def _read(path: str) -> bytes | None:
     """The file's bytes, or None when it does not exist."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        return read_regular(path, CONFIG_CAP)[0]
     except FileNotFoundError:
         return None
+    except Refused as exc:
+        raise NvcError("config", f"{escape(path)}: {exc}") from None
+    except ReadFailed as exc:
+        raise NvcError("config", f"cannot read {escape(path)}: {exc.strerror}") from None
     except (OSError, ValueError) as exc:
         raise NvcError("config", f"cannot open {escape(path)}: {getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NvcError("config", f"{escape(path)}: not a regular file")
-        data, more = read_at_most(fd, CONFIG_CAP)
-        if more:
-            raise NvcError("config", f"{escape(path)}: larger than {CONFIG_CAP} bytes")
-        return data
-    except OSError as exc:
-        raise NvcError("config", f"cannot read {escape(path)}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
 
 
 def load(path: str | None = None) -> Config:

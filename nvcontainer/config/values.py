@@ -41,9 +41,10 @@ def path(value: object, key: str) -> str:
 
 
 def absolute(value: object, key: str) -> str:
-    if not path(value, key).startswith("/"):
+    checked = path(value, key)
+    if not checked.startswith("/"):
         raise bad(key, value, "an absolute path")
-    return value
+    return checked
 
 
 def user(value: object, key: str) -> str:

@@ -26,6 +26,7 @@ import grpc
 from .. import log
 from ..errors import escape
 from ..kubelet import sockets
+from ..kubelet.backoff import Backoff
 from ..kubelet.endpoint import Endpoint as Served
 from .service import DevicePluginService
 from .state import PluginState
@@ -97,7 +98,7 @@ async def serve(state: PluginState, socket_dir: str, reporter, monitor=None) -> 
 
 async def _keep_registered(dirfd: int, endpoints: list[Endpoint], reporter, stop: asyncio.Event, where: str):
     registered = None                 # identity of the kubelet.sock we registered with
-    backoff, next_try = BACKOFF_FIRST, 0.0
+    backoff, next_try = Backoff(BACKOFF_FIRST, BACKOFF_MAX), 0.0
     loop = asyncio.get_running_loop()
     while not stop.is_set():
         for endpoint in endpoints:
@@ -116,10 +117,10 @@ async def _keep_registered(dirfd: int, endpoints: list[Endpoint], reporter, stop
             except RegistrationFailed as exc:
                 reporter.state("kubelet", f"registration with the kubelet failed ({exc}); retrying, at most "
                                           f"every {BACKOFF_MAX:g} s")
-                next_try = loop.time() + backoff
-                backoff = min(backoff * 2, BACKOFF_MAX)
+                next_try = loop.time() + backoff.next()
             else:
-                registered, backoff = kubelet, BACKOFF_FIRST
+                registered = kubelet
+                backoff.reset()
                 reporter.state("kubelet", "registered " + ", ".join(e.resource.name for e in endpoints)
                                + " with the kubelet")
         try:

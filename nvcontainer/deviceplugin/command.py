@@ -15,11 +15,9 @@ import os
 from .. import log
 from ..errors import escape
 from ..inventory import topology
+from ..inventory.model import nvml_path
 from ..kubelet.report import Reporter
 from . import devices, mps, settings as settings_module
-
-NVML_PREFIX = "libnvidia-ml.so"
-
 
 def run(config, **overrides) -> None:
     """Serve until SIGTERM/SIGINT. ``overrides``: command-line values for settings keys (None:
@@ -56,7 +54,7 @@ def run(config, **overrides) -> None:
         state = PluginState(inv, resources, settings, topology.Topology(numa=numa))
         state.mps = {s.uuid: s for s in shares}
         monitor = None
-        library = nvml_library(inv)
+        library = nvml_path(inv)
         if not settings.health_checks:
             reporter.say("health checks are off (health-checks = false): every device stays Healthy")
         elif library is None:
@@ -83,14 +81,6 @@ def run(config, **overrides) -> None:
                 mps_watch.cancel()
 
     asyncio.run(main())
-
-
-def nvml_library(inv) -> str | None:
-    """The host path of the NVML library the inventory chose (the running driver's version)."""
-    for lib in inv.libraries:
-        if lib.name == NVML_PREFIX:
-            return os.path.join(inv.root, lib.path.lstrip("/"))
-    return None
 
 
 def _say_changes(reporter: Reporter, inv, before: dict, after: dict) -> None:

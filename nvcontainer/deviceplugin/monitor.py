@@ -24,6 +24,7 @@ import time
 from .. import log
 from ..documents import json_value
 from ..errors import NvcError, escape
+from ..kubelet.backoff import Backoff
 from . import health as rules
 from .topology import from_report
 
@@ -91,20 +92,19 @@ class Monitor:
             log.warning(f"health watcher: ended with {escape(task.exception(), 200)}")
 
     async def run(self) -> None:
-        backoff = BACKOFF_FIRST
+        backoff = Backoff(BACKOFF_FIRST, BACKOFF_MAX)
         while not self._closing:
             started = self.clock()
             why = await self._run_once()
             if self._closing:
                 return
             if self.clock() - started > 10 * BACKOFF_MAX:
-                backoff = BACKOFF_FIRST
+                backoff.reset()
             self._update(rules.on_down(self.health, why))
             self._state(f"health watcher: {why}; every device unhealthy until it answers (retrying, at most "
                         f"every {BACKOFF_MAX:g} s)")
-            log.info(f"health watcher: next start in {backoff:g} s")
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX)
+            log.info(f"health watcher: next start in {backoff.pause:g} s")
+            await asyncio.sleep(backoff.next())
 
     async def _run_once(self) -> str:
         """Run one watcher until it ends or stops beating; why it did."""

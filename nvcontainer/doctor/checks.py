@@ -60,7 +60,7 @@ class Facts:
     serve_socket: str = "/run/nvcontainer/hook.sock"
     serve_state: str = "absent"                           # listening, absent, stale (nobody answers)
     config_lines: tuple[str, ...] = ()                    # Config.report(): the file read, which won, inert keys
-    leases: tuple = ()                                    # ps.model.Lease: recorded leases, each alive or not
+    leases: tuple = ()                                    # ps.model.LeaseView: recorded leases, each alive or not
     lease_file: str = "/run/nvcontainer/leases.json"
     lease_error: str | None = None                        # why the lease file cannot be trusted
     metrics: dict = field(default_factory=lambda: {"state": "absent"})   # metrics.probe's answer

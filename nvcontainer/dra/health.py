@@ -11,7 +11,7 @@ pyproject.toml names), and the settings are the ``[device-plugin]`` table's heal
 from __future__ import annotations
 
 from ..deviceplugin import settings as plugin_settings
-from ..deviceplugin.command import nvml_library
+from ..inventory.model import nvml_path
 from ..deviceplugin.monitor import Monitor
 from ..inventory.identity import parse_user
 
@@ -24,7 +24,7 @@ def monitor(config, inv, publish, say):
     if not settings.health_checks:
         say("health checks are off (device-plugin.health-checks = false): every device stays published")
         return None
-    library = nvml_library(inv)
+    library = nvml_path(inv)
     if library is None:
         say("no NVML library in the inventory: health checks are off")
         return None

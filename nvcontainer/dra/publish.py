@@ -25,6 +25,7 @@ import time
 
 from .. import log
 from ..errors import NvcError, escape
+from ..kubelet.backoff import Backoff
 from . import slices
 from .names import DRIVER
 
@@ -166,10 +167,10 @@ class Loop:
     async def run(self) -> None:
         """Sync whenever dirty, every ``resync`` seconds, and after a failure again after a
         pause that doubles up to ``retry_max`` (a new change retries at once)."""
-        pause = self.retry_first
+        backoff = Backoff(self.retry_first, self.retry_max)
         while True:
             try:
-                await asyncio.wait_for(self.dirty.wait(), pause if self.failing else self.resync)
+                await asyncio.wait_for(self.dirty.wait(), backoff.pause if self.failing else self.resync)
             except asyncio.TimeoutError:
                 pass
             self.dirty.clear()
@@ -183,13 +184,16 @@ class Loop:
                 line = f"slices not published: {reason} (retrying, at most every {self.retry_max:g} s)"
                 if line != self.failing:
                     self.publisher.say(line)
-                pause = min(pause * 2, self.retry_max) if self.failing else self.retry_first
+                if self.failing:
+                    backoff.next()
+                else:
+                    backoff.reset()
                 self.failing = line
                 continue
             if self.failing:
                 self.publisher.say("slices published again")
             self.failing = ""
-            pause = self.retry_first
+            backoff.reset()
 
 
 def remove_slices(api, node: str, deadline: float | None = None) -> str:

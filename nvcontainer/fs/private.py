@@ -49,20 +49,3 @@ def flock_within(fd: int, seconds: float, first_pause: float = 0.001, longest_pa
             return False
         time.sleep(pause)
         pause = min(pause * 2, longest_pause)
-
-
-def write_new(dfd: int, name: str, data: bytes, mode: int = 0o600) -> None:
-    """``data`` in a new file ``name`` of the directory ``dfd`` (never through a symlink; one left
-    by a killed writer that had our pid is replaced), for the caller to rename into place."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(name, flags, mode, dir_fd=dfd)
-    except FileExistsError:
-        os.unlink(name, dir_fd=dfd)
-        fd = os.open(name, flags, mode, dir_fd=dfd)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)

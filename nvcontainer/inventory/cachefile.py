@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import time
 
 from .. import jsontext, log
 from ..errors import NvcError, escape
-from ..fs.bounded import read_at_most
-from ..fs.private import flock_within, write_new
+from ..fs.bounded import Refused, read_regular
+from ..fs.private import flock_within
+from ..fs.replace import replace_at
 
 MAX_FILE = 4 << 20
 MAX_ENTRIES = 16          # cache files kept in the directory (one per configuration and program)
@@ -62,24 +62,20 @@ def open_cache_dir(path: str) -> int | None:
 
 def read_entry(dfd: int, name: str) -> dict | None:
     """The parsed entry, or None when it is missing or is not a file we wrote."""
+    def ours(st) -> str | None:
+        private = st.st_uid == os.geteuid() and not st.st_mode & 0o077 and st.st_nlink == 1
+        return None if private else "not ours"
+
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dfd)
+        data = read_regular(name, MAX_FILE, follow=False, dir_fd=dfd, check=ours)[0]
     except FileNotFoundError:
+        return None
+    except Refused:   # not a regular file, not ours, or larger than an entry we write
+        log.warning(f"inventory cache entry {escape(name)} ignored: not a private regular file of ours")
         return None
     except OSError as exc:
         log.warning(f"inventory cache entry {escape(name)} ignored: {exc.strerror}")
         return None
-    try:
-        st = os.fstat(fd)
-        if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
-                and st.st_nlink == 1 and st.st_size <= MAX_FILE):
-            log.warning(f"inventory cache entry {escape(name)} ignored: not a private regular file of ours")
-            return None
-        data, more = read_at_most(fd, MAX_FILE)
-        if more:
-            return None
-    finally:
-        os.close(fd)
     try:
         entry = jsontext.loads(data)
     except (ValueError, RecursionError):
@@ -91,16 +87,10 @@ def read_entry(dfd: int, name: str) -> dict | None:
 def write_entry(dfd: int, name: str, record: dict) -> bool:
     """Replace ``name`` atomically; a failure costs the next start a rebuild, nothing more."""
     data = jsontext.dumps(record, separators=(",", ":")).encode()
-    tmp = f".{name}.{os.getpid()}.tmp"
     try:
-        write_new(dfd, tmp, data)
-        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        replace_at(dfd, name, data, 0o600, sync=False)   # /run: a tmpfs, gone with the boot
     except OSError as exc:
         log.warning(f"inventory cache not written: {exc.strerror}")
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except OSError:
-            pass
         return False
     _prune(dfd, keep=name)
     return True

@@ -14,10 +14,10 @@ Only the standard library is imported: the OCI hook imports this module on its f
 from __future__ import annotations
 
 import os
-import stat
 import struct
 
 from nvcontainer.errors import NvcError, escape
+from nvcontainer.fs.bounded import Refused, read_regular
 from nvcontainer.records import record
 
 # Architecture codes kept in bits 8..15 of an entry's flags (glibc's FLAG_*_LIB* values).
@@ -145,27 +145,12 @@ def read(path: str, max_bytes: int = MAX_BYTES) -> list[CacheEntry]:
     device node or a sparse file from filling memory.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        data = read_regular(path, max_bytes, follow=False)[0]
+    except Refused as exc:
+        raise NvcError("ldcache", f"{escape(path)}: {'file too large' if exc.large else exc}") from None
     except OSError as err:
         raise NvcError("ldcache", f"{escape(path)}: {_strerror(err)}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NvcError("ldcache", f"{escape(path)}: not a regular file")
-        chunks = []
-        total = 0
-        while total <= max_bytes:
-            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    except OSError as err:
-        raise NvcError("ldcache", f"{escape(path)}: {_strerror(err)}") from None
-    finally:
-        os.close(fd)
-    if total > max_bytes:
-        raise NvcError("ldcache", f"{escape(path)}: file too large")
-    return parse(b"".join(chunks), path)
+    return parse(data, path)
 
 
 def _strerror(err: OSError) -> str:

@@ -9,6 +9,8 @@ container. Everything here converts to and from JSON-able dicts so it can be cac
 
 from __future__ import annotations
 
+import os
+
 from ..records import asdict, field, fields, record
 
 NVIDIA_MAJOR = 195
@@ -132,6 +134,18 @@ class Inventory:
     @classmethod
     def from_dict(cls, data: dict) -> "Inventory":
         return _build(cls, data)
+
+
+NVML = "libnvidia-ml.so"   # the catalog's name (DriverFile.name) of NVML's library
+
+
+def nvml_path(inventory: Inventory) -> str | None:
+    """The host path of the NVML library the inventory chose (the running driver's version), for
+    the programs that load it themselves (``ps``, the health watcher); None when it has none."""
+    for lib in inventory.libraries:
+        if lib.name == NVML:
+            return os.path.join(inventory.root, lib.path.lstrip("/"))
+    return None
 
 
 def _build(cls, data):

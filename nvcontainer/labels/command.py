@@ -21,7 +21,7 @@ import time
 
 from ..errors import NvcError, escape
 from ..inventory.procfs import read_text
-from . import gfd, publish
+from . import featurefile, gfd
 
 EXPIRY_PERIODS = 4
 ONE_SHOT_EXPIRY = 3600          # a file written once expires after an hour
@@ -67,11 +67,11 @@ class Labeller:
         """Publish once; raise NvcError on failure."""
         labels = self.labels()
         if self.output_file is None:
-            sys.stdout.write(publish.lines(labels))
+            sys.stdout.write(featurefile.lines(labels))
             sys.stdout.flush()
             return
         lifetime = EXPIRY_PERIODS * self.period if self.period else ONE_SHOT_EXPIRY
-        publish.write(self.output_file, publish.feature_file(labels, self.clock() + lifetime))
+        featurefile.write(self.output_file, featurefile.feature_file(labels, self.clock() + lifetime))
 
     def keep_going(self) -> None:
         """A round whose failure is reported, not raised."""

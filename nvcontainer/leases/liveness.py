@@ -10,34 +10,21 @@ how leases end.
 
 from __future__ import annotations
 
-import os
 import time
 
-from ..fs.bounded import read_at_most
+from ..fs import procstat
 from .model import PENDING_S, Lease, Unreadable
 
-MAX_STAT = 4096
 GONE = ("Z", "X", "x")
 
 
 def stat_of(pid: int, proc: str = "/proc") -> tuple[str, int] | None:
     """(state letter, start time) of ``pid``, or None when there is no such process."""
-    try:
-        fd = os.open(f"{proc}/{int(pid)}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    data = procstat.read(int(pid), proc)
+    start = None if data is None else procstat.number(data, procstat.START_TIME)
+    if start is None:
         return None
-    try:
-        data, _ = read_at_most(fd, MAX_STAT)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    # "pid (comm) S ppid ...": comm may hold spaces and parentheses, so split after the last ')'
-    fields = data[data.rfind(b")") + 2:].split()
-    try:
-        return fields[0].decode("ascii", "replace"), int(fields[19])
-    except (IndexError, ValueError):
-        return None
+    return procstat.fields(data)[procstat.STATE].decode("ascii", "replace"), start
 
 
 def start_time(pid: int, proc: str = "/proc") -> int | None:

@@ -23,12 +23,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import stat
 
 from .. import log
 from ..errors import NvcError, escape
-from ..fs.bounded import read_at_most
-from ..fs.private import flock_within, open_private_dir, write_new
+from ..fs.bounded import Refused, read_regular
+from ..fs.private import flock_within, open_private_dir
+from ..fs.replace import replace_at
 from . import liveness
 from .model import Lease, Unreadable, from_json, problem, salvage
 
@@ -94,23 +94,15 @@ def _read(dfd: int | None, path: str) -> tuple[tuple[Lease, ...], tuple[Unreadab
     """The file at ``path`` (relative to ``dfd`` when given); nothing when there is none."""
     name = os.path.basename(path) if dfd is not None else path
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dfd)
+        data = read_regular(name, MAX_FILE, follow=False, dir_fd=dfd)[0]
     except FileNotFoundError:
         return (), ()
+    except Refused as exc:
+        why = f"more than {MAX_FILE} bytes" if exc.large else exc
+        raise Closed("leases", f"{escape(path)}: {why}; {CLOSED}") from None
     except OSError as exc:
         why = "a symlink" if exc.errno == errno.ELOOP else exc.strerror   # ELOOP: O_NOFOLLOW met a link
         raise Closed("leases", f"{escape(path)}: not read: {why}; {CLOSED}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise Closed("leases", f"{escape(path)}: not a regular file; {CLOSED}")
-        if st.st_size > MAX_FILE:
-            raise Closed("leases", f"{escape(path)}: {st.st_size} bytes, more than {MAX_FILE}; {CLOSED}")
-        data, more = read_at_most(fd, MAX_FILE)
-    finally:
-        os.close(fd)
-    if more:
-        raise Closed("leases", f"{escape(path)}: more than {MAX_FILE} bytes; {CLOSED}")
     return parse(data, path)
 
 
@@ -167,17 +159,11 @@ class Held:
         data = dumps(leases, self.unreadable)
         if len(data) > MAX_FILE:
             raise NvcError("leases", f"{escape(self.path)}: {len(leases)} leases do not fit in {MAX_FILE} bytes")
-        tmp = f".{self.name}.{os.getpid()}.tmp"
         try:
             # no fsync: the file lives on /run (tmpfs) and is meant to end with the boot, as do
             # the containers it names; rename alone is atomic against any process dying
-            write_new(self.dfd, tmp, data)
-            os.rename(tmp, self.name, src_dir_fd=self.dfd, dst_dir_fd=self.dfd)
+            replace_at(self.dfd, self.name, data, 0o600, sync=False)
         except OSError as exc:
-            try:
-                os.unlink(tmp, dir_fd=self.dfd)
-            except OSError:
-                pass
             raise NvcError("leases", f"{escape(self.path)}: not written: {exc.strerror}") from None
 
 

@@ -49,7 +49,7 @@ def open_rootfs(rootfs: str, pid: int | None) -> int:
             os.close(base)
     except OSError as exc:
         where = f"/proc/{pid}/root{rootfs}" if pid else rootfs
-        raise NvcError("container", f"cannot open rootfs {escape(where)}: {exc.strerror.lower()}") from None
+        raise NvcError("container", f"cannot open rootfs {escape(where)}: {str(exc.strerror).lower()}") from None
 
 
 def owner(pid: int | None, rootfs_fd: int) -> tuple[int, int]:
@@ -57,7 +57,7 @@ def owner(pid: int | None, rootfs_fd: int) -> tuple[int, int]:
     try:
         st = os.stat(f"/proc/{pid}") if pid else os.fstat(rootfs_fd)
     except OSError as exc:
-        raise NvcError("container", f"cannot stat /proc/{pid}: {exc.strerror.lower()}") from None
+        raise NvcError("container", f"cannot stat /proc/{pid}: {str(exc.strerror).lower()}") from None
     return st.st_uid, st.st_gid
 
 

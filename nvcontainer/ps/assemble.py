@@ -10,7 +10,7 @@ A lease whose container is gone is listed under its GPUs as not running.
 
 from __future__ import annotations
 
-from .model import Container, Lease, Process
+from .model import Container, LeaseView, Process
 
 
 def owner(process: Process, containers: list[Container], ignore_cgroup: str = "") -> Container | None:
@@ -31,14 +31,14 @@ def _process_entry(p: Process) -> dict:
     return {"pid": p.pid, "command": p.command, "memory": p.memory, "sm": p.sm, "kinds": list(p.kinds)}
 
 
-def _holds(lease: Lease, c: Container) -> bool:
+def _holds(lease: LeaseView, c: Container) -> bool:
     """A live lease names its container's init by pid and start time; a lease whose init is gone
     holds nothing, even where a restarted container kept the ID."""
     return lease.alive and lease.pid == c.pid and (lease.start is None or c.start is None or lease.start == c.start)
 
 
 def assemble(gpus, activity: dict, containers: list[Container], processes: list[Process],
-             leases: list[Lease], *, ignore_cgroup: str = "") -> list[dict]:
+             leases: list[LeaseView], *, ignore_cgroup: str = "") -> list[dict]:
     """One dict per GPU (``gpus``: the inventory's), in index order; ``activity``: UUID → the
     NVML child's utilisation entry."""
     owners = {id(p): owner(p, containers, ignore_cgroup) for p in processes}

@@ -10,19 +10,19 @@ from __future__ import annotations
 import os
 
 from ..errors import NvcError
-from ..inventory.model import NVIDIA_MAJOR
+from ..inventory.model import NVIDIA_MAJOR, nvml_path
 from ..records import replace
 from . import ocistate, scan
 from .assemble import assemble
-from .identity import from_cgroup, from_kernel
-from .model import Container, Lease, Process
+from .naming import from_cgroup, from_kernel
+from .model import Container, LeaseView, Process
 
 
 def nvml_library(inventory) -> str:
-    for lib in inventory.libraries:
-        if lib.soname == "libnvidia-ml.so.1" or os.path.basename(lib.path).startswith("libnvidia-ml.so."):
-            return os.path.join(inventory.root, lib.path.lstrip("/"))
-    raise NvcError("initialization", "nvml error: the inventory holds no libnvidia-ml.so.1")
+    path = nvml_path(inventory)
+    if path is None:
+        raise NvcError("initialization", "nvml error: the inventory holds no libnvidia-ml.so.1")
+    return path
 
 
 def identify(c: Container, states: dict, proc: str = "/proc") -> Container:
@@ -66,7 +66,7 @@ def processes(activity: dict, proc: str = "/proc") -> list[Process]:
     return out
 
 
-def lease_facts(config, proc: str = "/proc") -> tuple[list[Lease], str | None]:
+def lease_facts(config, proc: str = "/proc") -> tuple[list[LeaseView], str | None]:
     """The recorded leases with whether each container still runs, and a one-line warning: a
     lease file that cannot be trusted gives no leases; entries that are not leases are named
     (each holds GPUs until its container is known to have ended)."""
@@ -83,11 +83,11 @@ def lease_facts(config, proc: str = "/proc") -> tuple[list[Lease], str | None]:
     if held:
         problem = (f"{escape(path)}: {'; '.join(u.holder() for u in held[:4])}"
                    f"{f' and {len(held) - 4} more' if len(held) > 4 else ''}: held until its container is known to have ended")
-    return [Lease(container=lease.container, pid=lease.pid, gpus=tuple(lease.gpus), start=lease.start,
+    return [LeaseView(container=lease.container, pid=lease.pid, gpus=tuple(lease.gpus), start=lease.start,
                   alive=liveness.alive(lease, proc)) for lease in recorded], problem
 
 
-def snapshot(config, inventory, leases: list[Lease] = (), *, proc: str = "/proc", roots=ocistate.ROOTS) -> list[dict]:
+def snapshot(config, inventory, leases: list[LeaseView] = (), *, proc: str = "/proc", roots=ocistate.ROOTS) -> list[dict]:
     """The per-GPU view of this host now (see :func:`.assemble.assemble`)."""
     from ..inventory import nvml
     from ..inventory.identity import parse_user

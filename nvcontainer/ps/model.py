@@ -39,7 +39,7 @@ class Process:
 
 
 @record
-class Lease:
+class LeaseView:
     """A lease as ``ps`` and ``doctor`` see it: who holds which GPUs, and whether it still runs."""
     container: str                      # the container ID the lease names
     pid: int                            # its init process

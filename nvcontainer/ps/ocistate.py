@@ -16,7 +16,7 @@ import os
 import re
 
 from ..inventory.procfs import read_text
-from .identity import annotations_from_labels, name_from_annotations
+from .naming import annotations_from_labels, name_from_annotations
 
 MAX_STATE = 4 << 20
 MAX_STORAGE = 32 << 20    # containers/storage's list of every container on the host

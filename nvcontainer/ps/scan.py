@@ -20,6 +20,7 @@ from .. import log
 from ..cgroups import access
 from ..cgroups.locate import locate, mountinfo_lines, parse_mountinfo_line
 from ..errors import NvcError, escape
+from ..fs import procstat
 from ..fs.inroot import open_in_root
 from ..inventory.procfs import read_text
 from ..leases.liveness import start_time
@@ -46,11 +47,7 @@ def pidns(pid: int | str, proc: str = "/proc") -> str:
 
 def parent_of(stat_text: str) -> int | None:
     """The ppid field of ``/proc/PID/stat`` (after the command, which may hold anything)."""
-    _, sep, rest = stat_text.rpartition(")")
-    fields = rest.split()
-    if not sep or len(fields) < 2 or not fields[1].isdigit():
-        return None
-    return int(fields[1])
+    return procstat.number(stat_text.encode(errors="replace"), procstat.PPID)
 
 
 def command(pid: int, proc: str = "/proc") -> str:

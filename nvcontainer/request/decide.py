@@ -109,7 +109,7 @@ def _fold(tokens: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(tokens))
 
 
-def _device_ids(tokens: list[str], source: str) -> tuple[str, ...]:
+def _device_ids(tokens: Iterable[str], source: str) -> tuple[str, ...]:
     ids = _fold(tokens)
     if len(ids) > MAX_IDS:
         raise NvcError("device", f"{source}: {len(ids)} device ids (at most {MAX_IDS})")
@@ -125,7 +125,7 @@ def _device_ids(tokens: list[str], source: str) -> tuple[str, ...]:
     return tuple(ids)
 
 
-def _imex_ids(tokens: list[str], source: str) -> tuple[int, ...]:
+def _imex_ids(tokens: Iterable[str], source: str) -> tuple[int, ...]:
     ids = _fold(tokens)
     if len(ids) > MAX_IDS:
         raise NvcError("input", f"{source}: {len(ids)} IMEX channels (at most {MAX_IDS})")
@@ -223,7 +223,7 @@ def _requirements(env: _Env, config: "Config", legacy: bool) -> tuple[str, ...]:
                                       f"variables (at most {require.MAX_EXPRESSIONS})")
     exprs = []
     for name in names:
-        value = env.get(name)
+        value = env.get(name) or ""   # a name of env.env: never None
         if value.strip():   # an empty requirement asks for nothing
             try:
                 require.parse(value)
@@ -231,7 +231,7 @@ def _requirements(env: _Env, config: "Config", legacy: bool) -> tuple[str, ...]:
                 raise NvcError(exc.category, f"{name}: {exc.detail}") from None
             exprs.append(value)
     if legacy:
-        exprs.append(_legacy_requirement(env.get("CUDA_VERSION")))
+        exprs.append(_legacy_requirement(env.get("CUDA_VERSION") or ""))   # legacy: it is set
     return tuple(exprs)
 
 
@@ -285,6 +285,7 @@ def request_from_env(environ: Mapping[str, str], config: "Config", *, privileged
     mig_config = _mig(env.get(MIG_CONFIG), "mig-config")
     mig_monitor = _mig(env.get(MIG_MONITOR), "mig-monitor")
 
+    imex: tuple[int, ...]
     if config.ignore_imex_channel_requests:   # [features] ignore-imex-channel-requests
         imex = ()
     elif mount_imex:

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import os
 import select
-import stat
 import time
 
 from .. import jsontext
 from ..documents import json_value
 from ..errors import NvcError, escape
-from ..fs.bounded import read_at_most
+from ..fs.bounded import ReadFailed, Refused, read_regular
 from ..records import field, record
 
 STATE_CAP = 1 << 20          # crun puts every annotation in the state; 1 MiB is plenty
@@ -94,6 +93,7 @@ class _JsonObject(dict):
     the dict keeps the last duplicate, as Go does; :func:`_get` looks at ``written``."""
 
     __slots__ = ("written",)
+    written: list
 
     @classmethod
     def of(cls, pairs: list) -> "_JsonObject":
@@ -374,25 +374,14 @@ def spec_object(data: bytes) -> dict:
 
 def read_spec_file(path: str, cap: int = SPEC_CAP) -> tuple[bytes, os.stat_result]:
     """A config.json's bytes and ``fstat``, without following a final symlink or blocking on a FIFO."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags)
+        return read_regular(path, cap, follow=False)
+    except Refused as exc:
+        raise NvcError("input", f"{escape(path)}: {exc}") from None
+    except ReadFailed as exc:
+        raise NvcError("input", f"cannot read {escape(path)}: {exc.strerror}") from None
     except (OSError, ValueError) as exc:   # ValueError: a NUL in the path
         raise NvcError("input", f"cannot open {escape(path)}: {getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NvcError("input", f"{escape(path)}: not a regular file")
-        if st.st_size > cap:
-            raise NvcError("input", f"{escape(path)}: larger than {cap} bytes")
-        data, more = read_at_most(fd, cap)
-        if more:
-            raise NvcError("input", f"{escape(path)}: larger than {cap} bytes")
-    except OSError as exc:
-        raise NvcError("input", f"cannot read {escape(path)}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    return data, st
 
 
 def read_spec(bundle: str, cap: int = SPEC_CAP) -> Spec:

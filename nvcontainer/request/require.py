@@ -152,8 +152,9 @@ def evaluate(exprs: Iterable[str], cuda: str, driver: str, gpus: Sequence[tuple[
     brand terms hold, as upstream does. All expressions are parsed before any is evaluated, so a
     malformed one is reported even when an earlier one fails.
     """
+    each: Sequence[tuple[str, str, str] | None] = gpus or [None]
     for expr in parse_all(exprs):
-        for gpu in (gpus or [None]):
+        for gpu in each:
             state = None if gpu is None else (gpu[0], gpu[1])
             if not any(all(t.holds(cuda, driver, state) for t in alt) for alt in expr.alternatives):
                 raise _failure(expr, cuda, driver, gpu)

@@ -105,12 +105,12 @@ def select(inventory: Inventory, tokens: list[str], allow: AllowList | None = No
     whole: set[int] = set()
     for token in tokens:
         if token.lower() == "all":   # upstream compares "all" without case
-            gpus = tuple(g for g in inventory.gpus if allow is None or allow.touches(g))
+            every = tuple(g for g in inventory.gpus if allow is None or allow.touches(g))
             return Selection(
-                gpus=gpus,
+                gpus=every,
                 migs=tuple(m for g in inventory.gpus for m in g.migs if allow is None or allow.permits(g, m)),
                 all=True,
-                whole=tuple(g.index for g in gpus if allow is None or allow.permits(g)),
+                whole=tuple(g.index for g in every if allow is None or allow.permits(g)),
             )
         gpu, mig = _match(inventory, token)
         if allow is not None and not allow.permits(gpu, mig):

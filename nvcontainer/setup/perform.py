@@ -20,6 +20,7 @@ import stat
 import subprocess
 
 from ..errors import NvcError, escape
+from ..fs.replace import replace
 from ..inventory.catalog import DEFAULT_PATH
 from . import record as records
 from .model import Build, Link, RemoveFile, Steps, Unlink, WriteFile
@@ -59,18 +60,7 @@ def diff(old: str | None, new: str | None, path: str) -> str:
 
 def _write(path: str, content: str, mode: int) -> None:
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    tmp = f"{path}.nvcontainer-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        os.write(fd, content.encode())
-        os.fchmod(fd, mode)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.rename(tmp, path)
+    replace(path, content.encode(), mode)
 
 
 def _still(path: str, shown: str, expected: str | None) -> str | None:

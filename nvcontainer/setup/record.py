@@ -16,6 +16,7 @@ import os
 
 from ..documents import json_value
 from ..errors import NvcError, escape
+from ..fs.replace import replace
 from .model import Link, WriteFile
 
 RECORD_DIR = "/var/lib/nvcontainer/setup"
@@ -100,9 +101,4 @@ def save(prefix: str, engine: str, done: list[dict], *, undone: bool = False) ->
         return
     entries = _merge(load(prefix, engine), done)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with open(fd, "w") as f:
-        json.dump({"engine": engine, "entries": entries}, f, indent=1)
-        f.write("\n")
-    os.rename(tmp, path)
+    replace(path, (json.dumps({"engine": engine, "entries": entries}, indent=1) + "\n").encode(), 0o600)

@@ -1,0 +1,247 @@
+"""A Docker node on the fake GPU machine, shared by the Docker (``benchmarks.docker``), CRI
+(``benchmarks.cri``) and trace (``benchmarks.dockertrace``) benchmarks, which never import each
+other: a private dockerd with every runtime arm registered (ours served and in-process, NVIDIA's
+from the anchors), each GPU hook behind the program that makes ``/proc/driver/nvidia`` in the
+container, and one round-robin world of ``docker run`` per arm. The targets are issue 27's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+from nvcontainer.native import build as native
+from tests.fixtures import dockerd
+from tests.fixtures.fakegpu.runner import fake_proc_command
+
+from . import nvidia, workspace
+
+
+RESULTS = workspace.REPO / "benchmarks" / "results"
+
+
+RATIO_TARGET = 0.5    # our GPU start's overhead over runc / NVIDIA's
+
+
+NOGPU_TARGET_MS = 2.0
+
+
+# The state on stdin: make <root>/proc/driver/nvidia in the container's mount namespace (in a
+# child: this process must not stay there), then execute REAL with the same argv and state.
+CHAIN_C = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static char state[65536], spec[1 << 20];
+int main(int argc, char **argv) {
+    ssize_t n, used = 0, got = 0;
+    (void)argc;
+    while ((n = read(0, state + used, sizeof state - 1 - used)) > 0) used += n;
+    state[used] = 0;
+    char *pid = strstr(state, "\"pid\":"), *bundle = strstr(state, "\"bundle\":\"");
+    if (!pid || !bundle) return 2;
+    char path[4096], root[4096], ns[64];
+    bundle += 10;
+    char *end = strchr(bundle, '"');
+    if (!end) return 2;
+    snprintf(path, sizeof path, "%.*s/config.json", (int)(end - bundle), bundle);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return 2;
+    while ((n = read(fd, spec + got, sizeof spec - 1 - got)) > 0) got += n;
+    close(fd);
+    char *r = strstr(spec, "\"root\":{\"path\":\"");
+    if (!r) return 2;
+    r += 16;
+    char *rend = strchr(r, '"');
+    if (!rend) return 2;
+    if (*r == '/') snprintf(root, sizeof root, "%.*s", (int)(rend - r), r);
+    else snprintf(root, sizeof root, "%.*s/%.*s", (int)(end - bundle), bundle, (int)(rend - r), r);
+    snprintf(ns, sizeof ns, "/proc/%ld/ns/mnt", strtol(pid + 6, NULL, 10));
+    pid_t child = fork();
+    if (child == 0) {
+        int nsfd = open(ns, O_RDONLY);
+        if (nsfd < 0 || setns(nsfd, CLONE_NEWNS) < 0) _exit(3);
+        snprintf(path, sizeof path, "%s/proc/driver/nvidia", root);
+        _exit(mkdir(path, 0555) == 0 ? 0 : 4);
+    }
+    int status;
+    if (child < 0 || waitpid(child, &status, 0) < 0 || status != 0) return 3;
+    int p[2];
+    if (pipe(p) < 0 || write(p[1], state, used) != used) return 5;
+    close(p[1]);
+    dup2(p[0], 0);
+    close(p[0]);
+#ifdef EXTRA
+    char *args[256];
+    int k = 0;
+    args[k++] = argv[0];
+    args[k++] = EXTRA;
+    for (int i = 1; argv[i] && k < 255; i++) args[k++] = argv[i];
+    args[k] = NULL;
+    execv(REAL, args);
+#else
+    execv(REAL, argv);
+#endif
+    return 127;
+}
+"""
+
+
+# The node's world, in a script with $base, $etc, $python and $serve_config set: /run a tmpfs,
+# /etc under an overlay of the node's files, and the resident server, waited for (docker, cri).
+WORLD = r"""mount -t tmpfs -o mode=755 nvc-run /run
+mkdir -p "$base/etc-upper" "$base/etc-work"
+mount -t overlay nvc-etc -o "lowerdir=$etc:/etc,upperdir=$base/etc-upper,workdir=$base/etc-work" /etc
+mkdir -m 700 /run/nvcontainer
+"$python" -m nvcontainer --config "$serve_config" serve --socket /run/nvcontainer/hook.sock 2> "$base/serve.err" &
+for i in $(seq 100); do [ -S /run/nvcontainer/hook.sock ] && break; sleep 0.1; done
+"""
+
+# argv: base, daemon.json, /etc layer, python for `serve`, its configuration, rounds, then the arms as
+# NAME ARG... separated by "--next". Prints "T <arm> <round> <ms> <rc>" per run.
+SCRIPT = r"""
+set -e
+base=$1 daemon=$2 etc=$3 python=$4 serve_config=$5 rounds=$6
+shift 6
+""" + WORLD + r"""[ -S /run/nvcontainer/hook.sock ] || { echo "E serve"; cat "$base/serve.err"; exit 1; }
+""" + dockerd.START + r"""docker -H "unix://$base/d.sock" import "$base/image.tar" nvc/busybox:test > /dev/null
+set +e
+names=() cmds=()
+cmd=() name=
+for a in "$@" --next; do
+    if [ "$a" = --next ]; then names+=("$name"); cmds+=("$(printf '%q ' "${cmd[@]}")"); cmd=() name=
+    elif [ -z "$name" ]; then name=$a
+    else cmd+=("$a"); fi
+done
+n=${#names[@]}
+for ((r = 0; r < rounds; r++)); do
+    for ((k = 0; k < n; k++)); do
+        i=$(( (k + r) % n ))
+        t0=$EPOCHREALTIME
+        eval "docker -H unix://$base/d.sock run --rm --network none --tmpfs /proc/driver:mode=755 ${cmds[i]}" \
+            > "$base/out" 2>&1
+        rc=$?
+        t1=$EPOCHREALTIME
+        echo "T ${names[i]} $r $(( (${t1/./} - ${t0/./}) )) $rc"
+        [ $rc = 0 ] || { echo "E ${names[i]}"; head -c 600 "$base/out"; echo; }
+    done
+done
+kill $daemon_pid; wait $daemon_pid 2>/dev/null
+exit 0
+"""
+
+
+def chain(base: Path, real: Path | str, extra: str | None = None, code: str = CHAIN_C) -> Path:
+    """``base/nvidia-container-runtime-hook``: :data:`CHAIN_C` (or ``code``) built to execute
+    ``real`` (the name a hook front answers to, as argv[0] goes through), with ``extra`` as its
+    first argument."""
+    base.mkdir(parents=True, exist_ok=True)
+    source = base / "chain.c"
+    source.write_text(code)
+    program = base / "nvidia-container-runtime-hook"
+    cc = shutil.which("musl-gcc") or "gcc"
+    defines = [f'-DREAL="{real}"'] + ([f'-DEXTRA="{extra}"'] if extra is not None else [])
+    subprocess.run([cc, "-static", "-O2", *defines, "-o", str(program), str(source)], check=True)
+    return program
+
+
+def shim_config(path: Path, machine, hook: Path, debug: Path | None = None) -> Path:
+    """The shim's configuration; with ``debug``, the shim's and the hook's traces (timestamped
+    lines) go to ``debug/<name>-runtime.log`` and ``-hook.log``."""
+    cli_debug = f'debug = "{debug / path.stem}-hook.log"\n' if debug else ""
+    runtime_debug = f'debug = "{debug / path.stem}-runtime.log"\n' if debug else ""
+    path.write_text(f'[nvidia-container-cli]\nroot = "{machine.root}"\n{cli_debug}'
+                    f'[nvidia-container-runtime]\nruntimes = ["runc"]\n{runtime_debug}'
+                    f'[nvidia-container-runtime-hook]\npath = "{hook}"\n')
+    return path
+
+
+def setup(base: Path, ws, machine, tarball: Path, debug: Path | None = None) -> tuple[Path, Path, dict[str, list[str]], str]:
+    """(daemon.json, /etc layer, arm -> docker run arguments, what NVIDIA's arm is)."""
+    node = base / "node"
+    node.mkdir()
+    etc = base / "etc"
+    (etc / "nvidia-container-runtime").mkdir(parents=True)
+    fronts = {}
+    for arm, real in (("served", ws.native_client), ("inprocess", ws.hook)):
+        # in-process: a node whose server is down. The front asks a socket nothing listens on and
+        # runs its Python half; the hook is told there is no server (by default nvcontainer-hook
+        # asks one that listens on /run/nvcontainer/hook.sock, and this world has one).
+        hook = chain(node / f"hook-{arm}", real, "--socket=" if arm == "inprocess" else None)
+        config = shim_config(node / f"{arm}.toml", machine, hook, debug)
+        front = node / arm / "nvidia-container-runtime"
+        front.parent.mkdir()
+        down = ('NVC_SOCKET="/run/nvcontainer/down.sock"',) if arm == "inprocess" else ()
+        native.build_runtime(str(front), str(ws.python), str(config), defines=down)
+        fronts[arm] = front
+    # what `nvcontainer setup docker` writes (tests/test_engines_setup.py checks that form), and
+    # one more runtime for the in-process configuration
+    runtimes = {"nvidia": {"path": str(fronts["served"])}, "nvidia-inprocess": {"path": str(fronts["inprocess"])}}
+    image = dockerd.IMAGE
+    gpu = ["-e", "NVIDIA_VISIBLE_DEVICES=0"]
+    arms = {"runc": [image, "true"],
+            "shim-nogpu": ["--runtime=nvidia", image, "true"],
+            "served": ["--runtime=nvidia", *gpu, image, "true"],
+            "inprocess": ["--runtime=nvidia-inprocess", *gpu, image, "true"]}
+    entry = nvidia.hook_entry(base, machine, tarball)
+    if entry is None:
+        about = f"NVIDIA's arm left out: {tarball} is not there"
+    else:
+        top = base / "nvidia" / "nvidia-anchors"
+        hook = chain(node / "hook-nvidia", entry["path"])
+        # NVIDIA's runtime and hook read /etc/nvidia-container-runtime/config.toml (the /etc layer)
+        config = nvidia.write_config(etc / "nvidia-container-runtime" / "config.toml", base / "nvidia" /
+                                     "nvidia-container-cli", f"{top}/lib", root=str(machine.root), legacy=True)
+        with open(config, "a") as f:
+            f.write(f'[nvidia-container-runtime-hook]\npath = "{hook}"\n')
+        runtimes["nvidia-toolkit"] = {"path": str(top / "bin" / "nvidia-container-runtime")}
+        arms["nvidia"] = ["--runtime=nvidia-toolkit", *gpu, image, "true"]
+        arms["nvidia-nogpu"] = ["--runtime=nvidia-toolkit", image, "true"]
+        about = "NVIDIA's runtime 1.17.9 (legacy mode) + hook 1.17.9 + cli 1.17.0, ../shared/anchors"
+    daemon = base / "daemon.json"
+    daemon.write_text(json.dumps({"runtimes": runtimes}))
+    return daemon, etc, arms, about
+
+
+def run_world(base: Path, ws, machine, daemon: Path, etc: Path, arms: dict, rounds: int,
+              roots: list[int] | None = None) -> tuple[dict, str]:
+    """Every arm ``rounds`` times; ``roots`` gets the pid of the world's first process (the root
+    of every process the runs make, for ``benchmarks.dockertrace``)."""
+    argv = []
+    for i, (arm, args) in enumerate(arms.items()):
+        argv += (["--next"] if i else []) + [arm, *args]
+    inner = ["bash", "-c", SCRIPT, "bash", str(base), str(daemon), str(etc), str(ws.python), str(base / "node" / "served.toml"),
+             str(rounds), *argv]
+    outer = ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--propagation", "private", "--",
+             *fake_proc_command(machine, inner)]
+    env = {"PATH": workspace.SERVER_ENV["PATH"], "HOME": str(base)}
+    proc = subprocess.Popen(outer, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    if roots is not None:
+        roots.append(proc.pid)
+    try:
+        stdout, stderr = proc.communicate(timeout=3600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    samples, errors = samples_of(stdout, arms)
+    return samples, "\n".join(errors[-20:]) + stderr[-2000:]
+
+
+def samples_of(stdout: str, arms) -> tuple[dict[str, list[tuple[int, float, int]]], list[str]]:
+    """The world's "T <arm> <round> <us> <rc>" lines as (round, ms, rc) per arm; the other lines."""
+    samples: dict[str, list[tuple[int, float, int]]] = {arm: [] for arm in arms}
+    errors = []
+    for line in stdout.splitlines():
+        if line.startswith("T "):
+            _, arm, rnd, us, rc = line.split()
+            samples[arm].append((int(rnd), int(us) / 1000, int(rc)))
+        elif line.strip():
+            errors.append(line)
+    return samples, errors

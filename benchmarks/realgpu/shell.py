@@ -1,0 +1,23 @@
+"""How the real-GPU steps run a program on the node, and the environments they give it."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+HOOK_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+GPU_ENV = ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
+
+
+def sh(argv: list[str], *, env: dict | None = None, timeout: float = 120, input: bytes | None = None) -> dict:
+    """Run ``argv``; its exit status, output and wall milliseconds (never raises)."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, input=input, capture_output=True, env=env, timeout=timeout,
+                              stdin=None if input is not None else subprocess.DEVNULL)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        rc, out, err = -1, b"", str(exc).encode()
+    return {"argv": argv, "rc": rc, "ms": round((time.perf_counter() - start) * 1000, 1),
+            "stdout": out.decode(errors="replace")[-20000:], "stderr": err.decode(errors="replace")[-4000:]}
+
