@@ -77,12 +77,14 @@ def driver(machine, node: Node, server: FakeApiServer, *, env=None):
         assert code == 0, err
 
 
-def put(server: FakeApiServer, name: str, devices, *, configs=(), request="gpu", pool=NODE) -> tuple[str, str, str]:
+def put(server: FakeApiServer, name: str, devices, *, configs=(), request="gpu", pool=NODE,
+        admin=False) -> tuple[str, str, str]:
+    extra = {"adminAccess": True} if admin else {}
     claim = server.put_claim({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"namespace": "default", "name": name, "uid": f"0000-{name}"},
         "status": {"allocation": {"devices": {
-            "results": [{"request": request, "driver": DRIVER, "pool": pool, "device": d} for d in devices],
+            "results": [{"request": request, "driver": DRIVER, "pool": pool, "device": d, **extra} for d in devices],
             "config": list(configs)}}}})
     return "default", name, claim["metadata"]["uid"]
 
@@ -115,7 +117,7 @@ def test_prepare_and_unprepare_in_each_version(machine, tmp_path, server, versio
     node = Node(tmp_path)
     truth = machine.description()["gpus"]
     one = put(server, "one", ["gpu-1"])
-    both = put(server, "both", ["gpu-0", "gpu-1"])
+    both = put(server, "both", ["gpu-0", "gpu-1"], admin=True)        # may share gpu-1 with "one"
     with driver(machine, node, server) as (kubelet, _):
         got = kubelet.prepare(one, both, version=version)
         assert got[one[2]] == ("", [("gpu-1", [f"k8s.gpu.nvidia.com/claim={one[2]}-gpu-1"])])
