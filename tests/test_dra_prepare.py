@@ -404,3 +404,26 @@ def test_a_prepare_racing_the_unprepare_of_the_same_gpu_is_refused_until_it_ends
         return await p.prepare(*second)
 
     assert [d["device"] for d in asyncio.run(race())] == ["gpu-0"]
+
+
+def test_a_daemon_directory_planted_as_a_link_to_another_daemon_s_is_never_followed(machine, inv, tmp_path,
+                                                                                   fresh_record):
+    """Issue 35: a GPU's (or claim's) MPS directory replaced by a link to another daemon's: the
+    other daemon is never told to quit through it, and keeps running."""
+    from nvcontainer.kubelet import mpscontrol
+
+    binary = mpscontrol.control_binary(inv)
+    other = mpscontrol.Control("other", str(tmp_path / "other"), inv.gpus[1].uuid, binary, 10)
+    assert other.start(()) == ""
+    [pid] = daemons(machine)
+    planted = tmp_path / "planted"
+    planted.symlink_to(tmp_path / "other")
+    mine = mpscontrol.Control("mine", str(planted), inv.gpus[0].uuid, binary, 10)
+    assert mine.answers()
+    assert mine.stop() == "" and not planted.exists()
+    planted.symlink_to(tmp_path / "other")
+    assert mine.start(()) == ""                      # a fresh daemon of its own, in a real directory
+    assert not planted.is_symlink() and len(daemons(machine)) == 2
+    assert told(machine, pid) == [] and other.answers() == ""
+    assert "quit" not in told(machine, pid) and [k for k, p, _ in record(machine) if p == pid and k == "quit"] == []
+    assert mine.stop() == "" and other.stop() == ""
