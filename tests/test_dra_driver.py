@@ -341,7 +341,7 @@ def test_an_mps_claim_s_daemon_outlives_a_plugin_restart_and_goes_with_unprepare
             "defaultActiveThreadPercentage": 25}}}}}
     claim = put(server, "mps", ["gpu-1"], configs=[config])
     uuid = next(g["uuid"] for g in machine.description()["gpus"] if g["index"] == 1)
-    here = node.plugins / DRIVER / "mps" / claim[2]
+    here = node.plugins / DRIVER / "mps" / claim[2] / "config-0"
     started = lambda: [pid for kind, pid, _ in record(machine) if kind == "start"]   # noqa: E731
     try:
         with driver(machine, node, server) as (kubelet, _):
@@ -352,7 +352,7 @@ def test_an_mps_claim_s_daemon_outlives_a_plugin_restart_and_goes_with_unprepare
             assert told(machine, pid, has("set_default_active_thread_percentage 25")) == [
                 "set_default_active_thread_percentage 25"]
             spec = store.read_spec(str(node.cdi / claimspec.file_name(claim[2]))).spec
-            assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in spec["containerEdits"]["env"]
+            assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in spec["devices"][0]["containerEdits"]["env"]
         assert (here / "pipe" / "control").is_fifo()          # the plugin stopped; the daemon did not
         with driver(machine, node, server) as (kubelet, _):
             assert kubelet.prepare(claim)[claim[2]][0] == ""

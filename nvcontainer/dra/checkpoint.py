@@ -114,7 +114,7 @@ def check_entry(uid, entry) -> str | None:
         if not all(isinstance(device[k], str) for k in ("request", "pool", "device", "uuid", "shareID")):
             return "a device's names are not text"
         if not isinstance(device["sharing"], dict) or not all(isinstance(device["sharing"].get(k, ""), str)
-                                                             for k in ("kind", "strategy", "interval")):
+                                                             for k in ("kind", "strategy", "interval", "group")):
             return "a device's sharing settings are of another shape"
     return None
 
