@@ -206,15 +206,11 @@ def mps(node, template: Path) -> None:
                                                                for m in response.mounts]}
     node.say(f"allocate (the plugin's code): {out['allocation']}")
     nvc = [str(node.ours), "--config", str(config)]
-    shm = sh([*nvc, "mps-daemon", "--mount-shm"], timeout=60)
-    node.block("mps-daemon --mount-shm", shm)
-    node.undo.append(lambda: (sh(["umount", "-l", str(root / mps_module.SHM)]), shutil.rmtree(root, True)))
-    # the daemon's /dev/shm is <mps-root>/shm, as the DaemonSet mounts it
+    node.undo.append(lambda: shutil.rmtree(root, True))
+    # each GPU's daemon gets its own /dev/shm (<dir>/shm, bound in its own mount namespace)
     debug, stderr = node.work / "mps-debug.log", open(node.work / "mps.stderr", "wb")
-    script = 'mount --bind "$1" /dev/shm && shift && exec "$@"'
-    daemon = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
-                               str(root / mps_module.SHM), *nvc, "--debug", str(debug), "mps-daemon", "--interval",
-                               "1"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, cwd="/")
+    daemon = subprocess.Popen([*nvc, "--debug", str(debug), "mps-daemon", "--interval", "1"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, cwd="/")
     node.undo.append(lambda: _stop(daemon))
     try:
         end = time.monotonic() + WAIT

@@ -24,6 +24,7 @@ from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build
 from tests.fixtures.fakegpu import FakeSpec
 from tests.test_deviceplugin_mps import has, record, told
+from tests.test_deviceplugin_mps import shm_seen as shm_of
 
 HOOK = "/usr/local/bin/nvcontainer-hook"
 NODE = "node-a"
@@ -276,13 +277,6 @@ def fresh_record(machine):
         path.unlink(missing_ok=True)
     yield machine.mps_record
     state.unlink(missing_ok=True)
-
-
-def shm_of(machine, pid: int) -> tuple[int, int]:
-    """(device, inode) of the /dev/shm daemon ``pid`` saw."""
-    [text] = [t for kind, p, t in record(machine) if kind == "shm" and p == pid]
-    dev, ino = text.split(":")
-    return int(dev), int(ino)
 
 
 def daemons(machine) -> list[int]:

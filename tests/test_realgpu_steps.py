@@ -53,7 +53,8 @@ def test_two_replicas_of_gpu_0_get_its_daemon_pipe_shm_and_limits():
         assert envs["CUDA_MPS_PIPE_DIRECTORY"] == "/mps/nvidia.com/gpu/pipe"
         assert envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
         assert {(m.container_path, m.host_path) for m in answer.mounts} == {
-            ("/mps/nvidia.com/gpu/pipe", f"/r/mps/nvidia.com/gpu/{TWO.gpus[0].uuid}/pipe"), ("/dev/shm", "/r/mps/shm")}
+            ("/mps/nvidia.com/gpu/pipe", f"/r/mps/nvidia.com/gpu/{TWO.gpus[0].uuid}/pipe"),
+            ("/dev/shm", f"/r/mps/nvidia.com/gpu/{TWO.gpus[0].uuid}/shm")}
     with pytest.raises(LookupError):
         k8s.mps_allocation(TWO, table, replica=2)
 
@@ -66,7 +67,8 @@ def test_the_allocation_replaces_the_spec_s_shm_and_variable():
     assert [e for e in spec["process"]["env"] if e.startswith("NVIDIA_VISIBLE_DEVICES=")] == \
         [f"NVIDIA_VISIBLE_DEVICES={TWO.gpus[0].uuid}"]
     shm = [m for m in spec["mounts"] if m["destination"] == "/dev/shm"]
-    assert shm == [{"destination": "/dev/shm", "source": "/run/nvidia/mps/shm", "type": "bind",
+    assert shm == [{"destination": "/dev/shm", "source": f"/run/nvidia/mps/nvidia.com/gpu/{TWO.gpus[0].uuid}/shm",
+                    "type": "bind",
                     "options": ["rbind", "rw"]}]
 
 
@@ -211,7 +213,7 @@ def test_the_mps_step_on_the_fake_machine(inv, tmp_path, monkeypatch):
         assert f"NVIDIA_VISIBLE_DEVICES={uuid}" in spec["process"]["env"]
         assert "CUDA_MPS_PIPE_DIRECTORY=/mps/nvidia.com/gpu/pipe" in spec["process"]["env"]
         assert {(m["destination"], m["source"]) for m in spec["mounts"]} == {
-            ("/mps/nvidia.com/gpu/pipe", pipe), ("/dev/shm", f"{tmp_path}/mps/shm")}
+            ("/mps/nvidia.com/gpu/pipe", pipe), ("/dev/shm", pipe[:-len("pipe")] + "shm")}
         assert spec["hooks"]["prestart"][0]["args"] == ["nvcontainer-hook", "prestart"]
     assert len(out["clients"]) == 2 and out["control_log"]
     assert out["daemon_exit"] == 0 and not out["pipe_left"], out["daemon_stderr"]

@@ -38,7 +38,7 @@ class Daemon:
 
     def __init__(self, share: mps.Share, binary: str, deadline: float):
         self.share = share
-        self.control = mpscontrol.Control(share.name, share.directory, share.uuid, binary, deadline)
+        self.control = mpscontrol.Control(share.name, share.directory, share.uuid, binary, deadline, shm=True)
 
     def tell(self, command: str) -> str:
         """'' when the daemon took ``command``, else why not."""
@@ -181,7 +181,6 @@ def run(config, interval: float | None = None, shm: bool = False) -> None:
         if line:
             reporter.say(line)
     _owned_dir(settings.mps_root)
-    _owned_dir(f"{settings.mps_root}/{mps.SHM}", 0o1777)
     supervisor = Supervisor([Daemon(s, binary, config.deadline) for s in shares], reporter,
                             interval or DEFAULT_INTERVAL)
     read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
