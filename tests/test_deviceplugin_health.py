@@ -337,3 +337,26 @@ def test_a_gpu_lost_before_the_watcher_starts_is_lost_in_every_beat(machine8):
         assert w.next("beat")["lost"] == [uuids[4]]
     finally:
         w.close()
+
+
+def test_a_driver_without_the_event_api_is_reported_once(machine8):
+    set_driver_state(machine8, "no_events=1")
+    w = Watcher(machine8)
+    try:
+        assert w.next("no-events") == {"ev": "no-events", "why": "nvmlEventSetCreate: Not Supported"}
+    finally:
+        w.close()
+        set_driver_state(machine8)
+
+
+def test_no_event_api_keeps_every_device_with_health_checks_off(quick_backoff):
+    """NVIDIA's plugins: a driver whose NVML has no event API keeps its devices, unwatched; one
+    line, no retry, nothing withdrawn (before: every GPU unhealthy, retried for ever)."""
+    unmonitored = []
+    mon, published, said = run_monitor(['{"ev":"no-events","why":"nvmlEventSetCreate: Not Supported"}'], 1.0)
+    assert mon.starts == 1 and published == [{}]
+    assert said == ["health checks off: the driver's NVML has no event API (nvmlEventSetCreate: Not Supported); "
+                    "every device stays available, unmonitored"]
+    mon.on_unmonitored = unmonitored.append
+    asyncio.run(mon.run())             # returns: no watcher restarted
+    assert unmonitored == ["nvmlEventSetCreate: Not Supported"]

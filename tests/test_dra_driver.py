@@ -24,7 +24,7 @@ from nvcontainer.dra import checkpoint, claimspec
 from tests.fixtures.dra_kubelet import FakeDraKubelet
 from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
 from tests.fixtures.kubeapi import FakeApiServer
-from tests.fixtures.kubelet import Plugin, inject_event, plugin_config
+from tests.fixtures.kubelet import Plugin, inject_event, plugin_config, set_driver_state
 
 NODE = "node-a"
 DRIVER = "gpu.nvidia.com"
@@ -60,8 +60,8 @@ class Node:
 
 
 @contextlib.contextmanager
-def driver(machine, node: Node, server: FakeApiServer, *, env=None):
-    args = [*node.args(server.write_kubeconfig(str(node.base / "kubeconfig"))), "--sysfs", str(machine.sysfs)]
+def driver(machine, node: Node, server: FakeApiServer, *, env=None, extra=()):
+    args = [*node.args(server.write_kubeconfig(str(node.base / "kubeconfig"))), "--sysfs", str(machine.sysfs), *extra]
     plugin = Plugin(machine, node.config, node.base / "debug.log", args, command="dra-driver", env=env)
     kubelet = FakeDraKubelet(node.registrar, node.plugins, timeout=20)
     try:
@@ -399,3 +399,26 @@ def test_a_host_driver_root_elsewhere_is_named_in_the_spec(machine, tmp_path, se
         spec = store.read_spec(str(node.cdi / claimspec.file_name(claim[2]))).spec
     mounts = [m["hostPath"] for m in spec["containerEdits"]["mounts"]]
     assert mounts and all(m.startswith("/run/nvidia/driver/") for m in mounts), mounts
+
+
+@pytest.mark.parametrize("taint", [False, True])
+def test_a_driver_without_nvml_events_keeps_every_device(private_machine, tmp_path, server, taint):
+    """nvmlEventSetCreate fails: every device stays published and preparable, health checks off
+    said once; under --taint-unhealthy each carries NVIDIA's unmonitored taint."""
+    machine = private_machine(FakeSpec(gpus=2))
+    set_driver_state(machine, "no_events=1")
+    node = Node(tmp_path)
+    claim = put(server, "unwatched", ["gpu-0"])
+    with driver(machine, node, server, extra=["--taint-unhealthy"] if taint else []) as (kubelet, plugin):
+        plugin.wait_for("health checks off: the driver's NVML has no event API (nvmlEventSetCreate: Not Supported)")
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            devices = [d for s in server.node_slices(NODE) for d in s["spec"]["devices"]]
+            if len(devices) == 2 and (not taint or all(d.get("taints") for d in devices)):
+                break
+            time.sleep(0.1)
+        assert len(devices) == 2
+        taints = [t["key"] for d in devices for t in d.get("taints", ())]
+        assert taints == (["gpu.nvidia.com/unmonitored"] * 2 if taint else [])
+        assert kubelet.prepare(claim)[claim[2]][0] == ""
+        assert plugin.stderr().count("health checks off") == 1

@@ -101,7 +101,11 @@ def _watch(library: str, uuids: list[str], user, interval: float, parent: int) -
         except nv.NVMLError as exc:
             unwatched[uuid] = str(exc)
             missing.append(uuid)
-    events = nv.nvmlEventSetCreate()
+    try:
+        events = nv.nvmlEventSetCreate()
+    except nv.NVMLError as exc:      # a driver without the event API (NVIDIA's plugins: health checks off)
+        _emit({"ev": "no-events", "why": f"nvmlEventSetCreate: {exc}"})
+        return 0
     for uuid, handle in handles.items():
         try:
             supported = nv.nvmlDeviceGetSupportedEventTypes(handle)

@@ -16,9 +16,10 @@ from ..deviceplugin.monitor import Monitor
 from ..inventory.identity import parse_user
 
 
-def monitor(config, inv, publish, say):
+def monitor(config, inv, publish, say, on_unmonitored=None):
     """A :class:`~nvcontainer.deviceplugin.monitor.Monitor` calling ``publish({UUID: why})`` on
     every change of verdict, or None (said why) when health checks are off or NVML is absent.
+    ``on_unmonitored(why)``: the driver's NVML has no event API (every device kept, unwatched).
     Run it with ``asyncio.create_task(m.run())``; end it with ``await m.close(task)``."""
     settings = plugin_settings.parse(config.device_plugin)
     if not settings.health_checks:
@@ -29,4 +30,4 @@ def monitor(config, inv, publish, say):
         say("no NVML library in the inventory: health checks are off")
         return None
     return Monitor(inv, library, settings, parse_user(config.user), publish, lambda _topology: None, say,
-                   start_timeout=config.deadline)
+                   start_timeout=config.deadline, on_unmonitored=on_unmonitored)
