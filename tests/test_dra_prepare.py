@@ -279,6 +279,19 @@ def fresh_record(machine):
     state.unlink(missing_ok=True)
 
 
+def kill(pid: int) -> None:
+    """SIGKILL, and wait until the daemon is gone (dead or a zombie): its pipe then has no reader."""
+    os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in "ZX":
+                return
+        except OSError:
+            return
+        time.sleep(0.02)
+
+
 def daemons(machine) -> list[int]:
     return [pid for kind, pid, _ in record(machine) if kind == "start"] if machine.mps_record.exists() else []
 
@@ -314,7 +327,7 @@ def test_an_mps_claim_gets_its_own_daemon_reached_through_its_spec(machine, inv,
     again = preparer(inv, dirs, source)
     asyncio.run(again.prepare(*claim))
     assert daemons(machine) == [pid]
-    os.kill(pid, signal.SIGKILL)
+    kill(pid)
     asyncio.run(again.prepare(*claim))
     [_, second] = daemons(machine)
     assert told(machine, second, has(threads))[-1] == threads
@@ -524,3 +537,21 @@ def test_a_per_device_key_past_its_group_is_refused(inv, dirs):
     with pytest.raises(NvcError, match=r"config\[0\]: mpsConfig.defaultPerDevicePinnedMemoryLimit: 1: names no "
                                        r"device of the claim \(an index below 1"):
         asyncio.run(preparer(inv, dirs, source).prepare(*claim))
+
+
+def test_a_daemon_that_dies_while_its_clients_run_is_one_line_and_started_again(machine, inv, dirs, fresh_record):
+    source = Claims()
+    claim = source.put(UID1, ["gpu-0"], configs=[mps(threads=20)])
+    lines = []
+    p = preparer(inv, dirs, source, lines)
+    asyncio.run(p.prepare(*claim))
+    asyncio.run(p.check_daemons())
+    assert lines == []                                       # it answers: nothing said
+    [pid] = daemons(machine)
+    kill(pid)
+    asyncio.run(p.check_daemons())
+    assert lines == ["MPS daemon of claim ns/c (config[0]) died while its clients ran; started again: its "
+                     "clients must start again"]
+    [_, second] = daemons(machine)
+    assert told(machine, second, has("set_default_active_thread_percentage 20"))
+    asyncio.run(p.unprepare(*claim))

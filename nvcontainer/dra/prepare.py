@@ -181,6 +181,33 @@ class Preparer:
             raise
         return daemons
 
+    async def check_daemons(self) -> None:
+        """Each prepared claim's MPS daemons asked whether they answer; one that died while its
+        clients run is said in one line, naming the claim and group, and started again (its
+        clients' CUDA contexts are lost with it: they must start again too). Under each claim's
+        lock: an unprepare in progress is never undone by a restart."""
+        for uid in list(self.claims):
+            async with self._lock(uid):
+                if uid in self.claims:
+                    await asyncio.to_thread(self._check_daemons, uid, self.claims[uid])
+
+    def _check_daemons(self, uid: str, entry: dict) -> None:
+        try:
+            binary = mpscontrol.control_binary(self.inv)
+        except NvcError:
+            return                     # no MPS here at all: no claim of ours has a daemon
+        label = f"{entry['namespace']}/{entry['name']}"
+        for plan in mpsclaim.plans(self.state_dir, uid, entry["devices"], label):
+            daemon = mpsclaim.control(plan.directory, plan.uuids, binary, self.mps_deadline, label)
+            if daemon.answers():
+                try:
+                    mpsclaim.start(plan, binary, self.mps_deadline, label)
+                    why = "started again"
+                except NvcError as exc:
+                    why = f"not started again: {exc.detail}"
+                self.say(f"MPS daemon of claim {escape(label, 200)} ({plan.group}) died while its clients "
+                         f"ran; {why}: its clients must start again")
+
     def _smi(self, argv: list[str], label: str) -> None:
         try:
             self.run(argv)
