@@ -305,3 +305,26 @@ def test_the_timing_and_concurrent_steps_end_in_issue_27_s_table(inv, tmp_path):
     realgpu.Node.issue27(node)
     ratios = [r for r in node.report["issue27"] if r["unit"] == "x"]
     assert len(ratios) == 5 and all(r["met"] == targets.NO_NVIDIA for r in ratios)
+
+
+def test_the_dra_step_runs_nvidia_s_mps_demo_and_gpu_test5(inv, tmp_path, monkeypatch):
+    """Two clients of the claim's MPS GPU under its limits; the time-sliced GPU's container of the
+    same claim gets no MPS variable and no MPS mount."""
+    machine, _ = inv
+    monkeypatch.setattr(k8s, "CLIENT_WAIT", 0.5)      # the stand-in lists no servers or clients
+    node = FakeNode(machine, tmp_path)
+    node.run_step(k8s.dra, tmp_path / "image")
+    out = node.report["dra"]["mps"]
+    assert out["prepare"][0] == "", out
+    specs = {label: json.loads(r["stdout"]) for label, r in out["clients"].items()}
+    assert set(specs) == {"mps-1", "mps-2", "time-sliced"}
+    for label in ("mps-1", "mps-2"):
+        env = specs[label]["process"]["env"]
+        assert {"CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M"} <= set(env)
+        assert {"/tmp/nvidia-mps", "/dev/shm"} <= {m["destination"] for m in specs[label]["mounts"]}
+    ts = specs["time-sliced"]
+    assert not [e for e in ts["process"]["env"] if e.startswith("CUDA_MPS")]
+    assert not [m for m in ts["mounts"] if m["destination"] in ("/tmp/nvidia-mps",) or "gpu.nvidia.com/mps" in
+                m.get("source", "")]
+    assert out["unprepare"] == {"0000-realgpu-mps": ""}
