@@ -23,7 +23,7 @@ from nvcontainer.cdi import store
 from nvcontainer.dra import checkpoint, claimspec
 from tests.fixtures.dra_kubelet import FakeDraKubelet
 from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
-from tests.fixtures.kubeapi import FakeApiServer
+from tests.fixtures.kubeapi import FakeApiServer, answer
 from tests.fixtures.kubelet import Plugin, inject_event, plugin_config, set_driver_state
 
 NODE = "node-a"
@@ -364,6 +364,73 @@ def test_an_mps_claim_s_daemon_outlives_a_plugin_restart_and_goes_with_unprepare
         for pid in started():
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_trickling_api_server_holds_no_worker_past_the_deadline(machine, tmp_path, server):
+    """Issue 35: the API server trickles every answer a byte at a time (each byte inside the
+    per-read timeout). Eight claims at once (more than the plugin's worker threads) each end at
+    their deadline with one line, an unprepare meanwhile is answered, and once the server is
+    well a claim is prepared: nothing is wedged."""
+    node = Node(tmp_path)
+    good = put(server, "good", ["gpu-0"])
+    many = [put(server, f"slow-{i}", ["gpu-1"]) for i in range(8)]
+    with driver(machine, node, server) as (kubelet, plugin):
+        assert kubelet.prepare(good)[good[2]][0] == ""
+        body = b'{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {}}' + b" " * 400
+        server.hostile = answer(body, trickle=0.1)       # 48 s a body; the deadline is 5 - 2 s
+        start = time.monotonic()
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(kubelet.prepare, *many, timeout=5)
+            time.sleep(1)
+            assert kubelet.unprepare(good) == {good[2]: ""}
+            got = pending.result(timeout=10)
+        assert time.monotonic() - start < 6
+        assert all("default/slow-" in error and "\n" not in error for error, _ in got.values()), got
+        server.hostile = None
+        again = put(server, "again", ["gpu-0"])
+        start = time.monotonic()
+        assert kubelet.prepare(again, timeout=5)[again[2]][0] == ""
+        assert time.monotonic() - start < 2
+        assert "Traceback" not in plugin.stderr()
+
+
+def test_hostile_claims_and_answers_are_one_line_each_and_the_plugin_keeps_serving(machine, tmp_path, server):
+    """Issue 35 under the served path: a ten-character quantity that was computed for 16 s on
+    the event loop, a per-device key int() cannot read, and answers that are no claim (an HTML
+    page, an array, JSON nested 100,000 deep): each claim gets one line, at once."""
+    node = Node(tmp_path)
+
+    def mps(**config):
+        return [{"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": API, "kind": "GpuConfig", "sharing": {"strategy": "MPS", "mpsConfig": config}}}}]
+
+    huge = put(server, "huge", ["gpu-0"], configs=mps(defaultPinnedDeviceMemoryLimit="1e10000000"))
+    key = put(server, "key", ["gpu-0"], configs=mps(defaultPerDevicePinnedMemoryLimit={"\u00b2": "1Gi"}))
+    with driver(machine, node, server) as (kubelet, plugin):
+        start = time.monotonic()
+        got = kubelet.prepare(huge, key, timeout=10)
+        assert time.monotonic() - start < 3
+        assert "defaultPinnedDeviceMemoryLimit: 1e10000000: out of range" in got[huge[2]][0]
+        assert "defaultPerDevicePinnedMemoryLimit: \u00b2: names no device" in got[key[2]][0]
+        for body, content_type, line in ((b"<html>login</html>", "text/html", "invalid JSON"),
+                                         (b"[]", "application/json", "JSON list, not an object"),
+                                         (b"[" * 100_000 + b"]" * 100_000, "application/json", "nested deeper")):
+            server.hostile = answer(body, content_type=content_type)
+            claim = put(server, f"c-{len(body)}", ["gpu-0"])
+            error, devices = kubelet.prepare(claim, timeout=10)[claim[2]]
+            assert line in error and "\n" not in error and devices == [], error
+        server.hostile = None
+        newline = ("default", "newline", "0000-newline\n")     # a UID that passed ^...$ with re.match
+        server.put_claim({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                          "metadata": {"namespace": "default", "name": "newline", "uid": newline[2]},
+                          "status": {"allocation": {"devices": {"results": [
+                              {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0"}]}}}})
+        error, _ = kubelet.prepare(newline, timeout=10)[newline[2]]
+        assert "not a UID" in error and node.specs() == []
+        good = put(server, "good", ["gpu-0"])
+        assert kubelet.prepare(good, timeout=10)[good[2]][0] == ""
+        assert node.specs() == [claimspec.file_name(good[2])]
+        assert "Traceback" not in plugin.stderr()
 
 
 def host_paths(spec: dict) -> list[str]:

@@ -22,7 +22,8 @@ import sys
 import time
 
 from .. import log
-from ..errors import escape
+from ..documents import json_value
+from ..errors import NvcError, escape
 from . import health as rules
 from .topology import from_report
 
@@ -154,8 +155,8 @@ class Monitor:
             if self._closing:
                 return "closing"
             try:
-                msg = json.loads(line)
-            except ValueError:
+                msg = json_value(line, "line", cap=MAX_LINE)
+            except NvcError:
                 return "a line that is not JSON"
             if not isinstance(msg, dict):
                 return "a line that is not a JSON object"

@@ -30,6 +30,9 @@ import signal
 import sys
 import time
 
+from ..documents import json_value
+from ..errors import NvcError
+
 MAX_REQUEST = 1 << 20
 MAX_GPUS = 256
 EVENT_MASK = 0x1 | 0x2 | 0x8        # single-bit ECC, double-bit ECC, XID critical (as upstream)
@@ -39,11 +42,13 @@ MAX_LINKS = 36                      # NVML_NVLINK_MAX_LINKS
 def main() -> int:
     parent = os.getppid()
     try:
-        request = json.loads(sys.stdin.buffer.read(MAX_REQUEST))
+        request = json_value(sys.stdin.buffer.read(MAX_REQUEST + 1), "request", cap=MAX_REQUEST)
         library, gpus = request["library"], request["gpus"][:MAX_GPUS]
         user, interval = request.get("user"), float(request["interval"])
         if not (isinstance(library, str) and all(isinstance(g, str) for g in gpus) and 0.01 <= interval <= 60):
             raise ValueError("bad request")
+    except NvcError as exc:
+        return _fail(f"bad request: {exc.detail}")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return _fail(f"bad request: {exc}")
     try:

@@ -32,6 +32,7 @@ from ..cdi.spec import Mount, Spec
 from ..errors import NvcError, escape
 from ..kubelet import mpscontrol
 from ..records import record, replace
+from . import opaque
 
 DIRECTORY = "mps"
 CONTAINER_PIPE = "/tmp/nvidia-mps"
@@ -84,10 +85,11 @@ def _plan(state_dir: str, uid: str, group: str, members: list[dict]) -> Plan:
     if sharing.get("pinnedLimit") is not None:
         limits.update({i: sharing["pinnedLimit"] for i in range(len(uuids))})
     for key, amount in sharing.get("perDeviceLimits") or ():
+        index = opaque.device_index(key)
         if key in uuids:
             limits[uuids.index(key)] = amount
-        elif key.isascii() and key.isdigit() and int(key) < len(uuids):
-            limits[int(key)] = amount
+        elif index is not None and index < len(uuids):
+            limits[index] = amount
     return Plan(state_dir, uid, group, tuple(dict.fromkeys(d["device"] for d in members)), uuids,
                 sharing.get("activeThreads"), tuple((i, amount >> 20) for i, amount in sorted(limits.items())))
 
