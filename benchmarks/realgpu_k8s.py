@@ -400,7 +400,7 @@ def dra_mps(node, template: Path, server, kubelet, dirs: dict, gpus: list[str], 
             [*node.runc, "run", *node.no_pivot, "--bundle", str(bundle), bundle.name], env=node.runc_env,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
     pipe = dirs["plugins"] / "gpu.nvidia.com" / "mps" / ref[2] / "config-0" / "pipe"
-    from nvcontainer.kubelet.mpscontrol import control_binary
+    from nvcontainer.mps.control import control_binary
     control = [control_binary(inv)]
     out["servers_during"], out["clients_during"] = _clients(control, {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
                                                             CLIENT_WAIT)

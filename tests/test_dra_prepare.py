@@ -430,7 +430,7 @@ def test_a_daemon_directory_planted_as_a_link_to_another_daemon_s_is_never_follo
                                                                                    fresh_record):
     """Issue 35: a GPU's (or claim's) MPS directory replaced by a link to another daemon's: the
     other daemon is never told to quit through it, and keeps running."""
-    from nvcontainer.kubelet import mpscontrol
+    from nvcontainer.mps import control as mpscontrol
 
     binary = mpscontrol.control_binary(inv)
     other = mpscontrol.Control("other", str(tmp_path / "other"), inv.gpus[1].uuid, binary, 10)

@@ -31,7 +31,7 @@ Layout under ``mps-root`` (the same path in both containers and on the host)::
 Why a /dev/shm per daemon (NVIDIA shares one ``<mps-root>/shm`` among every daemon and every
 client on the node): pods of different tenants on different GPUs would see each other's shared
 memory. The daemon is started in a mount namespace of its own with its ``shm/`` bound on
-/dev/shm (:class:`~nvcontainer.kubelet.mpscontrol.Control`), and only its GPU's clients get it.
+/dev/shm (:class:`~nvcontainer.mps.control.Control`), and only its GPU's clients get it.
     <mps-root>/<resource>/<GPU uuid>/.ready         the daemon's marker, written once it is set up
 """
 
@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 
 from ..errors import NvcError, escape
-from ..kubelet.mpscontrol import (BINARY as CONTROL_BINARY, CONTROL, MEMORY_ENV, PIPE_ENV, PROBE, QUIT,  # noqa: F401
+from ..mps.control import (BINARY as CONTROL_BINARY, CONTROL, MEMORY_ENV, PIPE_ENV, PROBE, QUIT,  # noqa: F401
                                   Paths, THREADS_ENV, daemon_env as _daemon_env)
 from ..records import record
 from .devices import Resource

@@ -23,8 +23,8 @@ import signal
 
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
-from ..kubelet import mpscontrol
-from ..kubelet.mpscontrol import control_binary, owned_dir as _owned_dir, write_atomic
+from ..mps import control as mpscontrol
+from ..mps.control import control_binary, owned_dir as _owned_dir, write_atomic
 from ..kubelet.report import Reporter
 from . import devices, mps, settings as settings_module
 
@@ -34,7 +34,7 @@ SHM_FALLBACK_KIB = 65536
 
 class Daemon:
     """One GPU's control daemon, as :mod:`.mps` describes it, run by the shared
-    :class:`~nvcontainer.kubelet.mpscontrol.Control`, with a readiness marker of its own."""
+    :class:`~nvcontainer.mps.control.Control`, with a readiness marker of its own."""
 
     def __init__(self, share: mps.Share, binary: str, deadline: float):
         self.share = share

@@ -1,5 +1,5 @@
 """A claim's MPS control daemons: what each sees and is told, what the claim's containers are
-given to reach it, and their start and stop (by :class:`~nvcontainer.kubelet.mpscontrol.Control`).
+given to reach it, and their start and stop (by :class:`~nvcontainer.mps.control.Control`).
 
 Why one daemon per claim *and configuration group*, as NVIDIA's driver: the pods sharing a
 claim are the daemon's clients, and nobody else's; the limits are one opaque configuration's,
@@ -16,7 +16,7 @@ per-device limit's index is the daemon's device number) and its directory is the
 The claim's CDI spec gives the group's *devices* (never the spec's common edits) ``pipe/`` at
 ``/tmp/nvidia-mps`` (CUDA's default pipe directory; the host's own, which the driver's files
 bring, is dropped from the common edits), ``shm/`` at ``/dev/shm`` (the daemon runs with the
-same directory as its /dev/shm: :mod:`~nvcontainer.kubelet.mpscontrol`; one per daemon, shared
+same directory as its /dev/shm: :mod:`~nvcontainer.mps.control`; one per daemon, shared
 with its clients only) and ``CUDA_MPS_PIPE_DIRECTORY`` there, with the limits also as the
 clients' own ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` / ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (as
 the device plugin's MPS does). Everything here is decided from the claim's record (its devices'
@@ -30,7 +30,7 @@ import os
 from ..cdi.generate import BIND_OPTIONS
 from ..cdi.spec import Mount, Spec
 from ..errors import NvcError, escape
-from ..kubelet import mpscontrol
+from ..mps import control as mpscontrol
 from ..records import record, replace
 from . import opaque
 

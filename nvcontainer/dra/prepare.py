@@ -40,7 +40,7 @@ import time
 from ..cdi import generate, store
 from .. import log
 from ..errors import NvcError, escape
-from ..kubelet import mpscontrol
+from ..mps import control as mpscontrol
 from . import checkpoint, claims, claimspec, exclusive, mpsclaim, sharing
 
 KUBELET_TIMEOUT = 45.0      # the kubelet's default for a DRA call

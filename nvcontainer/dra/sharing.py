@@ -9,7 +9,7 @@ Why nvidia-smi and not NVML here: the plugin is a multi-threaded process that ne
 the kubelet waits on, and NVML cannot be unloaded). A program started with a clean
 environment, no input and a timeout can be killed. It is the inventory's nvidia-smi (the running
 driver's, under the driver root), never one found on PATH, checked as MPS control is
-(:func:`~nvcontainer.kubelet.mpscontrol.driver_program`: a regular file only root can change). MIG devices have no time-slice
+(:func:`~nvcontainer.mps.control.driver_program`: a regular file only root can change). MIG devices have no time-slice
 setting (NVIDIA's ``MigDeviceConfig`` has none); MPS settings are recorded, not applied.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import subprocess
 
 from ..errors import NvcError, escape
-from ..kubelet.mpscontrol import driver_program
+from ..mps.control import driver_program
 
 INTERVALS = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
 TIMEOUT = 10.0

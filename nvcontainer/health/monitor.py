@@ -24,7 +24,7 @@ import time
 from .. import log
 from ..documents import json_value
 from ..errors import NvcError, escape
-from . import health as rules
+from . import rules
 from .topology import from_report
 
 MAX_LINE = 1 << 20
@@ -34,11 +34,12 @@ CLOSE_WAITS = (1.0, 1.0, 6.0)      # seconds after each cancel; the last covers 
 WATCHER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
 
+NVML_PREFIX = "libnvidia-ml.so"
 NO_EVENTS = "no-events:"      # _run_once's answer for a driver without NVML's event API
 
 
 def watcher_argv() -> list[str]:
-    return [sys.executable, "-I", "-m", "nvcontainer.deviceplugin.watcher"]
+    return [sys.executable, "-I", "-m", "nvcontainer.health.watcher"]
 
 
 class Monitor:
@@ -203,3 +204,11 @@ async def _kill(proc) -> None:
         await asyncio.wait_for(proc.wait(), 5)
     except asyncio.TimeoutError:
         log.warning(f"health watcher {proc.pid} did not die")
+
+
+def nvml_library(inv) -> str | None:
+    """The host path of the NVML library the inventory chose (the running driver's version)."""
+    for lib in inv.libraries:
+        if lib.name == NVML_PREFIX:
+            return os.path.join(inv.root, lib.path.lstrip("/"))
+    return None

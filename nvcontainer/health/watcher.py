@@ -1,6 +1,6 @@
 """The health watcher: a child program that holds NVML's event set and reports what it sees.
 
-    python -I -m nvcontainer.deviceplugin.watcher   (a JSON request on stdin; JSON lines on stdout)
+    python -I -m nvcontainer.health.watcher   (a JSON request on stdin; JSON lines on stdout)
 
 Why a separate program: NVML is vendor code that starts threads, can hang in the driver and can
 crash, and the plugin is a multi-threaded gRPC server, where ``fork()`` without ``exec`` is not
