@@ -269,7 +269,7 @@ def mps(node, template: Path) -> None:
 
 def dra(node, template: Path) -> None:
     """The slices of the real GPU; one claim prepared by ``nvcontainer dra-driver`` and run."""
-    from nvcontainer.dra import publish, slices
+    from nvcontainer.dra.publishing import publish, slices
 
     node.say("\n== DRA: the real GPU's slice, and a claim prepared, run and unprepared")
     try:      # dra-driver's API client: TOOLS/whl must hold it and what it needs (docs/real-gpu.md)
@@ -355,7 +355,7 @@ DRA_CLIENT = "env | grep ^CUDA_MPS_ | sort | tr '\\n' ' '; echo; /cudatest 10"
 def dra_mps_claim(gpus: list[str]) -> dict:
     """NVIDIA's MPS demo in one claim: request ``mps-gpu`` under an MPS config (two clients);
     with a second GPU, NVIDIA's gpu-test5 too: request ``ts-gpu`` time-sliced, in the same claim."""
-    from nvcontainer.dra import slices
+    from nvcontainer.dra.publishing import slices
 
     def config(request, sharing):
         return {"source": "FromClaim", "requests": [request], "opaque": {"driver": slices.DRIVER, "parameters": {

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nvcontainer.dra import kubeapi, slices
+from nvcontainer.dra import kubeapi
+from nvcontainer.dra.publishing import slices
 from nvcontainer.dra.driverroot import roots
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build

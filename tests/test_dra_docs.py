@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nvcontainer.dra import publish, slices
+from nvcontainer.dra.publishing import publish, slices
 from nvcontainer.inventory.build import build
 from tests.fixtures.fakegpu import FakeSpec
 from tests.test_docs import assert_documented, help_options, man_warnings, mentions, section

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from nvcontainer.cdi import store
-from nvcontainer.dra import checkpoint, claimspec
+from nvcontainer.dra.node import checkpoint, claimspec
 from tests.fixtures.dra_kubelet import FakeDraKubelet
 from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
 from tests.fixtures.kubeapi import FakeApiServer, answer

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from nvcontainer.cdi import generate, store
-from nvcontainer.dra import checkpoint, claimspec
+from nvcontainer.dra.node import checkpoint, claimspec
 from nvcontainer.dra.command import device_table
-from nvcontainer.dra.prepare import Preparer
+from nvcontainer.dra.node.prepare import Preparer
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build
 from tests.fixtures.fakegpu import FakeSpec

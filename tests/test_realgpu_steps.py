@@ -19,7 +19,8 @@ import pytest
 from benchmarks import realgpu_k8s as k8s
 from nvcontainer.config.load import load
 from nvcontainer.deviceplugin import mps, settings as settings_module
-from nvcontainer.dra import claims, claimspec, publish, slices
+from nvcontainer.dra.node import claims, claimspec
+from nvcontainer.dra.publishing import publish, slices
 from nvcontainer.dra.command import device_table
 from nvcontainer.cdi import generate
 from nvcontainer.inventory.build import build

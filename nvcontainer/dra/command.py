@@ -21,7 +21,7 @@ DAEMON_CHECK = 10.0        # how often the claims' MPS daemons are asked whether
 
 def device_table(inv, allow) -> dict:
     """DRA device name → (gpu, mig) for the devices this node offers (those its slices publish)."""
-    from .slices import offered
+    from .publishing.slices import offered
 
     return {named.name: (named.gpu, named.mig) for named in offered(inv, allow)}
 
@@ -56,9 +56,9 @@ def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_di
     def get_claim(namespace: str, name: str, deadline: float) -> dict:
         return api.get_claim(namespace, name, deadline=deadline)
 
-    from .agent import serve
-    from .keeper import keep_published
-    from .prepare import Preparer
+    from .node.agent import serve
+    from .publishing.keeper import keep_published
+    from .node.prepare import Preparer
 
     async def main() -> None:
         preparer = Preparer(inv, table, node_name, cdi_root, os.path.join(plugins_dir, names.DRIVER), opts,
@@ -105,7 +105,7 @@ def _ldconfig(config, host_root: str) -> str:
 
 def remove_slices(kubeconfig: str | None, node_name: str) -> str:
     """``--remove-slices``: this node's slices deleted; the line to print."""
-    from .publish import remove_slices as remove
+    from .publishing.publish import remove_slices as remove
 
     if not node_name:
         raise NvcError("input", "--node-name (or NODE_NAME) is required: the node whose slices are removed")

@@ -5,7 +5,7 @@ Why here, below both kubelet plugins: ``nvcontainer mps-daemon`` (the device plu
 daemon per shared GPU) and ``nvcontainer dra-driver`` (one daemon per prepared claim that asks
 MPS) start the same program the same way; what differs is only which GPUs a daemon sees, where
 its directory is and what it is told, which each decides for itself (``deviceplugin/mps.py``,
-``dra/mpsclaim.py``).
+``dra/node/mpsclaim.py``).
 
 What runs with our privileges is the driver's own ``nvidia-cuda-mps-control`` as the inventory
 found it (never a binary from an image or from PATH), checked to be a regular file that only

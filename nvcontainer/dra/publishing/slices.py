@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import re
 
-from ..inventory.model import Gpu, Inventory, MigDevice
-from .names import DRIVER, TYPE_GPU, TYPE_MIG, Named, devices
+from ...inventory.model import Gpu, Inventory, MigDevice
+from ..names import DRIVER, TYPE_GPU, TYPE_MIG, Named, devices
 
 MAX_DEVICES = 128                   # ResourceSliceMaxDevices
 STANDARD = "resource.kubernetes.io"

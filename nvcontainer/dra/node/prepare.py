@@ -37,10 +37,10 @@ import contextlib
 import os
 import time
 
-from ..cdi import generate, store
-from .. import log
-from ..errors import NvcError, escape
-from ..mps import control as mpscontrol
+from ...cdi import generate, store
+from ... import log
+from ...errors import NvcError, escape
+from ...mps import control as mpscontrol
 from . import checkpoint, claims, claimspec, exclusive, mpsclaim, sharing
 
 KUBELET_TIMEOUT = 45.0      # the kubelet's default for a DRA call

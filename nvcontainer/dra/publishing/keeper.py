@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 
-from .. import log
-from ..errors import NvcError
+from ... import log
+from ...errors import NvcError
 from . import health, publish, snapshot
 
 CHECK_EVERY = 10.0

@@ -22,10 +22,10 @@ import json
 import os
 import stat
 
-from ..cdi import store
-from ..documents import json_value
-from ..errors import NvcError, escape
-from ..fs.bounded import read_at_most
+from ...cdi import store
+from ...documents import json_value
+from ...errors import NvcError, escape
+from ...fs.bounded import read_at_most
 from . import claimspec
 
 NAME = "checkpoint.json"

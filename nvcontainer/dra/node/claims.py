@@ -13,9 +13,9 @@ never a container started without it.
 
 from __future__ import annotations
 
-from ..errors import NvcError, escape
-from ..records import record
-from . import opaque
+from ...errors import NvcError, escape
+from ...records import record
+from .. import opaque
 
 DRIVER = opaque.DRIVER
 MAX_RESULTS = 256

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import subprocess
 
-from ..errors import NvcError, escape
-from ..mps.control import driver_program
+from ...errors import NvcError, escape
+from ...mps.control import driver_program
 
 INTERVALS = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
 TIMEOUT = 10.0

@@ -11,7 +11,7 @@ allocated with ``adminAccess`` (monitoring) may share a held device, and is held
 
 from __future__ import annotations
 
-from ..errors import escape
+from ...errors import escape
 
 
 def footprint(uuid: str, parents: dict[str, str]) -> tuple[str, str | None]:

@@ -11,10 +11,10 @@ from ``dra/``, its settings only, which the layers contract in pyproject.toml na
 
 from __future__ import annotations
 
-from ..deviceplugin import settings as plugin_settings
-from ..health.monitor import nvml_library
-from ..health.monitor import Monitor
-from ..inventory.identity import parse_user
+from ...deviceplugin import settings as plugin_settings
+from ...health.monitor import nvml_library
+from ...health.monitor import Monitor
+from ...inventory.identity import parse_user
 
 
 def monitor(config, inv, publish, say, on_unmonitored=None):

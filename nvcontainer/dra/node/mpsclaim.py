@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import os
 
-from ..cdi.generate import BIND_OPTIONS
-from ..cdi.spec import Mount, Spec
-from ..errors import NvcError, escape
-from ..mps import control as mpscontrol
-from ..records import record, replace
-from . import opaque
+from ...cdi.generate import BIND_OPTIONS
+from ...cdi.spec import Mount, Spec
+from ...errors import NvcError, escape
+from ...mps import control as mpscontrol
+from ...records import record, replace
+from .. import opaque
 
 DIRECTORY = "mps"
 CONTAINER_PIPE = "/tmp/nvidia-mps"
