@@ -83,7 +83,7 @@ def concurrent(kubelet, server, gpus: list[str], claims: int, callers: int, cdi:
     for t in threads:
         t.join()
     wall = time.perf_counter() - started
-    from nvcontainer.dra import claimspec
+    from nvcontainer.dra.node import claimspec
 
     missing = [c[2] for c in wanted if not (cdi / claimspec.file_name(c[2])).exists()]
     return {"claims": claims, "callers": callers, "errors": len(errors), "error_samples": errors[:3],

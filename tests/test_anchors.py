@@ -9,7 +9,8 @@ import pytest
 
 from nvcontainer.cdi import check
 from nvcontainer.deviceplugin import devices
-from nvcontainer.dra import claimspec, names
+from nvcontainer.dra.node import claimspec
+from nvcontainer.dra import names
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory.model import Gpu, Inventory, MigDevice
 from nvcontainer.request import selection

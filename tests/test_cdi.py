@@ -187,11 +187,26 @@ def test_output_is_written_atomically(plain, tmp_path):
     (["--class", "-gpu"], "nvcontainer: input error: invalid CDI class"),
     (["--hook-path", "nvcontainer-hook"], "nvcontainer: input error: hook path nvcontainer-hook: must be absolute"),
     (["--device-name-strategy", "serial"], "nvcontainer: input error:"),
+    (["--host-driver-root", "rel"], "nvcontainer: input error: --host-driver-root rel: must be an absolute path"),
 ])
 def test_bad_options_are_one_line_errors(plain, args, expected):
     res = cli(plain, "cdi", "generate", *args)
     assert res.returncode == 1
     assert res.stderr.startswith(expected) and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_a_spec_generated_in_a_container_names_the_host_s_paths(plain):
+    """--root where a pod sees the host's driver, --host-driver-root what the host calls it: the
+    host's runtime reads the spec, and only host paths exist for it (issue 32)."""
+    spec = spec_of(plain, "--host-driver-root", "/")
+    every = [spec["containerEdits"], *(d["containerEdits"] for d in spec["devices"])]
+    paths = [m["hostPath"] for e in every for m in e.get("mounts", ())] + \
+        [n.get("hostPath", n["path"]) for e in every for n in e.get("deviceNodes", ())]
+    root = str(plain.root)
+    assert any("libcuda.so" in p for p in paths) and not [p for p in paths if p.startswith(root)]
+    assert not [p for p in paths if not os.path.lexists(root + p)]          # each is the host's file
+    plain_paths = [m["hostPath"] for m in spec_of(plain)["containerEdits"]["mounts"]]
+    assert all(p.startswith(root + "/") for p in plain_paths)                # as read, by default
 
 
 def _inventory(root: str) -> Inventory:

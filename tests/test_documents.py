@@ -13,7 +13,7 @@ import pytest
 from nvcontainer import documents
 from nvcontainer.cdi import store
 from nvcontainer.config import load
-from nvcontainer.dra import checkpoint, claimspec
+from nvcontainer.dra.node import checkpoint, claimspec
 from nvcontainer.errors import NvcError
 
 

@@ -20,11 +20,11 @@ import grpc
 import pytest
 
 from nvcontainer.cdi import store
-from nvcontainer.dra import checkpoint, claimspec
+from nvcontainer.dra.node import checkpoint, claimspec
 from tests.fixtures.dra_kubelet import FakeDraKubelet
 from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
 from tests.fixtures.kubeapi import FakeApiServer, answer
-from tests.fixtures.kubelet import Plugin, inject_event, plugin_config
+from tests.fixtures.kubelet import Plugin, inject_event, plugin_config, set_driver_state
 
 NODE = "node-a"
 DRIVER = "gpu.nvidia.com"
@@ -60,8 +60,8 @@ class Node:
 
 
 @contextlib.contextmanager
-def driver(machine, node: Node, server: FakeApiServer, *, env=None):
-    args = [*node.args(server.write_kubeconfig(str(node.base / "kubeconfig"))), "--sysfs", str(machine.sysfs)]
+def driver(machine, node: Node, server: FakeApiServer, *, env=None, extra=()):
+    args = [*node.args(server.write_kubeconfig(str(node.base / "kubeconfig"))), "--sysfs", str(machine.sysfs), *extra]
     plugin = Plugin(machine, node.config, node.base / "debug.log", args, command="dra-driver", env=env)
     kubelet = FakeDraKubelet(node.registrar, node.plugins, timeout=20)
     try:
@@ -77,12 +77,14 @@ def driver(machine, node: Node, server: FakeApiServer, *, env=None):
         assert code == 0, err
 
 
-def put(server: FakeApiServer, name: str, devices, *, configs=(), request="gpu", pool=NODE) -> tuple[str, str, str]:
+def put(server: FakeApiServer, name: str, devices, *, configs=(), request="gpu", pool=NODE,
+        admin=False) -> tuple[str, str, str]:
+    extra = {"adminAccess": True} if admin else {}
     claim = server.put_claim({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"namespace": "default", "name": name, "uid": f"0000-{name}"},
         "status": {"allocation": {"devices": {
-            "results": [{"request": request, "driver": DRIVER, "pool": pool, "device": d} for d in devices],
+            "results": [{"request": request, "driver": DRIVER, "pool": pool, "device": d, **extra} for d in devices],
             "config": list(configs)}}}})
     return "default", name, claim["metadata"]["uid"]
 
@@ -115,7 +117,7 @@ def test_prepare_and_unprepare_in_each_version(machine, tmp_path, server, versio
     node = Node(tmp_path)
     truth = machine.description()["gpus"]
     one = put(server, "one", ["gpu-1"])
-    both = put(server, "both", ["gpu-0", "gpu-1"])
+    both = put(server, "both", ["gpu-0", "gpu-1"], admin=True)        # may share gpu-1 with "one"
     with driver(machine, node, server) as (kubelet, _):
         got = kubelet.prepare(one, both, version=version)
         assert got[one[2]] == ("", [("gpu-1", [f"k8s.gpu.nvidia.com/claim={one[2]}-gpu-1"])])
@@ -339,7 +341,7 @@ def test_an_mps_claim_s_daemon_outlives_a_plugin_restart_and_goes_with_unprepare
             "defaultActiveThreadPercentage": 25}}}}}
     claim = put(server, "mps", ["gpu-1"], configs=[config])
     uuid = next(g["uuid"] for g in machine.description()["gpus"] if g["index"] == 1)
-    here = node.plugins / DRIVER / "mps" / claim[2]
+    here = node.plugins / DRIVER / "mps" / claim[2] / "config-0"
     started = lambda: [pid for kind, pid, _ in record(machine) if kind == "start"]   # noqa: E731
     try:
         with driver(machine, node, server) as (kubelet, _):
@@ -350,7 +352,7 @@ def test_an_mps_claim_s_daemon_outlives_a_plugin_restart_and_goes_with_unprepare
             assert told(machine, pid, has("set_default_active_thread_percentage 25")) == [
                 "set_default_active_thread_percentage 25"]
             spec = store.read_spec(str(node.cdi / claimspec.file_name(claim[2]))).spec
-            assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in spec["containerEdits"]["env"]
+            assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in spec["devices"][0]["containerEdits"]["env"]
         assert (here / "pipe" / "control").is_fifo()          # the plugin stopped; the daemon did not
         with driver(machine, node, server) as (kubelet, _):
             assert kubelet.prepare(claim)[claim[2]][0] == ""
@@ -429,3 +431,61 @@ def test_hostile_claims_and_answers_are_one_line_each_and_the_plugin_keeps_servi
         assert kubelet.prepare(good, timeout=10)[good[2]][0] == ""
         assert node.specs() == [claimspec.file_name(good[2])]
         assert "Traceback" not in plugin.stderr()
+
+
+def host_paths(spec: dict) -> list[str]:
+    every = [spec.get("containerEdits", {}), *(d["containerEdits"] for d in spec["devices"])]
+    return ([m["hostPath"] for e in every for m in e.get("mounts", ())]
+            + [n.get("hostPath", n["path"]) for e in every for n in e.get("deviceNodes", ())]
+            + [h["path"] for e in every for h in e.get("hooks", ())])
+
+
+@pytest.mark.parametrize("env", [{"NVIDIA_DRIVER_ROOT": "/"}, {"HOST_DRIVER_ROOT": "/"}, {}])
+def test_nvidia_s_driver_root_variables_give_specs_of_host_paths(machine, tmp_path, server, env):
+    """NVIDIA's chart: the host's / mounted at DRIVER_ROOT_CTR_PATH, NVIDIA_DRIVER_ROOT the host's
+    path (default /). The spec names what the host has, never where the plugin reads it."""
+    node = Node(tmp_path, hook="/usr/bin/nvcontainer-hook")
+    claim = put(server, "rooted", ["gpu-0"])
+    with driver(machine, node, server, env={**env, "DRIVER_ROOT_CTR_PATH": str(machine.root)}) as (kubelet, _):
+        assert kubelet.prepare(claim)[claim[2]][0] == ""
+        spec = store.read_spec(str(node.cdi / claimspec.file_name(claim[2]))).spec
+    paths = host_paths(spec)
+    assert any("libcuda.so" in p for p in paths) and any(p.startswith("/dev/nvidia") for p in paths)
+    assert not [p for p in paths if p.startswith(str(machine.root))]
+    # each names the host's file: under the host's / (the fake machine's root) it is there
+    assert not [p for p in paths if p != node.hook and not os.path.lexists(str(machine.root) + p)]
+
+
+def test_a_host_driver_root_elsewhere_is_named_in_the_spec(machine, tmp_path, server):
+    """The GPU Operator's driver container: /run/nvidia/driver on the host, mounted here."""
+    node = Node(tmp_path)
+    claim = put(server, "operator", ["gpu-1"])
+    env = {"NVIDIA_DRIVER_ROOT": "/run/nvidia/driver", "DRIVER_ROOT_CTR_PATH": str(machine.root)}
+    with driver(machine, node, server, env=env) as (kubelet, _):
+        assert kubelet.prepare(claim)[claim[2]][0] == ""
+        spec = store.read_spec(str(node.cdi / claimspec.file_name(claim[2]))).spec
+    mounts = [m["hostPath"] for m in spec["containerEdits"]["mounts"]]
+    assert mounts and all(m.startswith("/run/nvidia/driver/") for m in mounts), mounts
+
+
+@pytest.mark.parametrize("taint", [False, True])
+def test_a_driver_without_nvml_events_keeps_every_device(private_machine, tmp_path, server, taint):
+    """nvmlEventSetCreate fails: every device stays published and preparable, health checks off
+    said once; under --taint-unhealthy each carries NVIDIA's unmonitored taint."""
+    machine = private_machine(FakeSpec(gpus=2))
+    set_driver_state(machine, "no_events=1")
+    node = Node(tmp_path)
+    claim = put(server, "unwatched", ["gpu-0"])
+    with driver(machine, node, server, extra=["--taint-unhealthy"] if taint else []) as (kubelet, plugin):
+        plugin.wait_for("health checks off: the driver's NVML has no event API (nvmlEventSetCreate: Not Supported)")
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            devices = [d for s in server.node_slices(NODE) for d in s["spec"]["devices"]]
+            if len(devices) == 2 and (not taint or all(d.get("taints") for d in devices)):
+                break
+            time.sleep(0.1)
+        assert len(devices) == 2
+        taints = [t["key"] for d in devices for t in d.get("taints", ())]
+        assert taints == (["gpu.nvidia.com/unmonitored"] * 2 if taint else [])
+        assert kubelet.prepare(claim)[claim[2]][0] == ""
+        assert plugin.stderr().count("health checks off") == 1

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from nvcontainer.dra import claims, opaque
+from nvcontainer.dra.node import claims
+from nvcontainer.dra import opaque
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory.model import Gpu, MigDevice
 

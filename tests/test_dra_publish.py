@@ -12,7 +12,8 @@ import time
 import pytest
 
 from nvcontainer.config.model import Config
-from nvcontainer.dra import health, kubeapi, publish, snapshot
+from nvcontainer.dra.publishing import health, publish, snapshot
+from nvcontainer.dra import kubeapi
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build
 from tests.fixtures.fakegpu import FakeSpec
@@ -232,7 +233,7 @@ def test_the_device_plugins_watcher_withdraws_a_gpu_with_a_critical_xid(machine_
 
 def test_keeper_publishes_again_when_the_inventory_changes(fake_machine, fake_machine_factory, server, api,
                                                            monkeypatch):
-    from nvcontainer.dra import keeper
+    from nvcontainer.dra.publishing import keeper
 
     before = inventory_of(fake_machine)
     after = inventory_of(fake_machine_factory(FakeSpec(gpus=2, mig=True)))

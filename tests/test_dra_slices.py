@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from nvcontainer.dra import publish, slices
+from nvcontainer.dra.publishing import publish, slices
 from nvcontainer.inventory.build import build
 from nvcontainer.request.selection import allow_list
 from tests.fixtures.fakegpu import FakeSpec

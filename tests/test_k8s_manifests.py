@@ -145,8 +145,9 @@ def needs(container: dict, cfg: Config, dp: dp_settings.Settings) -> dict[str, t
         # the tmpfs it mounts must be the host's
         return {dp.mps_root: ("host", dp.mps_root, "Bidirectional")}
     elif word == "mps-daemon":
+        # each daemon's /dev/shm is its own <mps-root>/<resource>/<GPU>/shm, bound in a mount
+        # namespace of the daemon's: nothing shared at the container's /dev/shm
         paths[dp.mps_root] = ("host", dp.mps_root, "HostToContainer")
-        paths[mps.CONTAINER_SHM] = ("host", posixpath.join(dp.mps_root, mps.SHM), "")
     else:
         raise AssertionError(f"unknown command {word}")
     return paths

@@ -26,8 +26,11 @@ def cdi() -> None:
 @click.option("--class", "cls", default="gpu", show_default=True, help="Class part of the device names.")
 @click.option("--no-all-device", is_flag=True, help="No 'all' device.")
 @click.option("--hook-path", metavar="PATH", help="nvcontainer-hook as the runtime will run it. [default: the installed one]")
+@click.option("--host-driver-root", metavar="DIR",
+              help="The driver root (--root) as the HOST has it: the spec's paths are named under it, for a "
+                   "spec generated in a container that sees the host's driver at a mount. [default: --root]")
 @click.pass_obj
-def cdi_generate(obj: Context, output, fmt, strategies, vendor, cls, no_all_device, hook_path) -> None:
+def cdi_generate(obj: Context, output, fmt, strategies, vendor, cls, no_all_device, hook_path, host_driver_root) -> None:
     """A CDI spec for the driver and every GPU and MIG device."""
     from ..cdi import commands, generate, store
 
@@ -37,10 +40,19 @@ def cdi_generate(obj: Context, output, fmt, strategies, vendor, cls, no_all_devi
         hook_path=hook, vendor=vendor, cls=cls,
         strategies=tuple(dict.fromkeys(strategies)) or generate.DEFAULT_STRATEGIES, all_device=not no_all_device,
         ldconfig=obj.config.ldconfig_program(), allow=obj.allow_list(inv), deadline=obj.config.deadline,
+        host_root=_absolute(host_driver_root),
     )
     text = commands.generate_spec(inv, opts, store.format_for(output, fmt), output)
     if text is not None:
         sys.stdout.write(text)
+
+
+def _absolute(path: str | None) -> str | None:
+    from ..errors import NvcError, escape
+
+    if path is not None and not path.startswith("/"):
+        raise NvcError("input", f"--host-driver-root {escape(path)}: must be an absolute path")
+    return path
 
 
 @cdi.command("list")

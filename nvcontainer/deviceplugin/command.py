@@ -47,7 +47,7 @@ def run(config, **overrides) -> None:
             reporter.say(line)
 
     from .agent import serve
-    from .monitor import Monitor
+    from ..health.monitor import Monitor
     from .state import PluginState
 
     async def main() -> None:

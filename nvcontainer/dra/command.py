@@ -16,16 +16,18 @@ import os
 from .. import log
 from ..errors import NvcError, escape
 
+DAEMON_CHECK = 10.0        # how often the claims' MPS daemons are asked whether they answer
+
 
 def device_table(inv, allow) -> dict:
     """DRA device name → (gpu, mig) for the devices this node offers (those its slices publish)."""
-    from .slices import offered
+    from .publishing.slices import offered
 
     return {named.name: (named.gpu, named.mig) for named in offered(inv, allow)}
 
 
 def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_dir: str, kubeconfig: str | None,
-        hook_path: str | None = None, taint: bool = False, sysfs: str = "/sys") -> None:
+        hook_path: str | None = None, taint: bool = False, sysfs: str = "/sys", host_root: str | None = None) -> None:
     """Serve until SIGTERM/SIGINT: the kubelet side (:mod:`agent`) and the slice side
     (:mod:`keeper`) in one event loop, the slice side's health verdicts and new inventories
     handed to the preparer."""
@@ -46,16 +48,17 @@ def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_di
 
     table = device_table(inv, allow(inv))
     log.info(f"devices offered: {', '.join(table) or 'none'}")
-    opts = generate.Options(hook_path=hook_path or commands.default_hook_path(), ldconfig=config.ldconfig_program(),
-                            deadline=config.deadline)
+    host_root = host_root or config.root
+    opts = generate.Options(hook_path=hook_path or commands.default_hook_path(), ldconfig=_ldconfig(config, host_root),
+                            deadline=config.deadline, host_root=host_root)
     api = _api(kubeconfig)
 
     def get_claim(namespace: str, name: str, deadline: float) -> dict:
         return api.get_claim(namespace, name, deadline=deadline)
 
-    from .agent import serve
-    from .keeper import keep_published
-    from .prepare import Preparer
+    from .node.agent import serve
+    from .publishing.keeper import keep_published
+    from .node.prepare import Preparer
 
     async def main() -> None:
         preparer = Preparer(inv, table, node_name, cdi_root, os.path.join(plugins_dir, names.DRIVER), opts,
@@ -64,6 +67,12 @@ def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_di
         def new_inventory(now) -> None:
             preparer.inv, preparer.table = now, device_table(now, allow(now))
 
+        async def watch_daemons() -> None:
+            while True:
+                await asyncio.sleep(DAEMON_CHECK)
+                await preparer.check_daemons()
+
+        daemons = asyncio.create_task(watch_daemons())
         slices = asyncio.create_task(keep_published(
             config, api, node_name, inv, allow=allow, taint=taint, sysfs=sysfs, say=reporter.say,
             on_health=preparer.set_unhealthy, on_inventory=new_inventory))
@@ -71,7 +80,8 @@ def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_di
             await serve(preparer, names.DRIVER, registrar_dir, plugins_dir, reporter)
         finally:
             slices.cancel()
-            await asyncio.gather(slices, return_exceptions=True)
+            daemons.cancel()
+            await asyncio.gather(slices, daemons, return_exceptions=True)
 
     try:
         asyncio.run(main())
@@ -79,9 +89,23 @@ def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_di
         api.close()
 
 
+def _ldconfig(config, host_root: str) -> str:
+    """The host's ldconfig as its runtime will run it: ``/sbin/ldconfig.real`` where the host has
+    it, looked for where the host's / is visible to us (the driver root when it is the host's
+    /), never in this image's own filesystem."""
+    from ..config.model import host_ldconfig
+
+    if host_root == config.root:                   # run on the host: its own filesystem is ours
+        return config.ldconfig_program()
+    if host_root.rstrip("/") == "":
+        where = config.root.rstrip("/")
+        return host_ldconfig(config.ldconfig, lambda p: os.path.exists(where + p)).removeprefix("@")
+    return config.ldconfig.removeprefix("@")
+
+
 def remove_slices(kubeconfig: str | None, node_name: str) -> str:
     """``--remove-slices``: this node's slices deleted; the line to print."""
-    from .publish import remove_slices as remove
+    from .publishing.publish import remove_slices as remove
 
     if not node_name:
         raise NvcError("input", "--node-name (or NODE_NAME) is required: the node whose slices are removed")

@@ -17,12 +17,12 @@ import time
 
 import grpc
 
-from .. import log
-from ..errors import NvcError, escape
-from ..kubelet.endpoint import Malformed, unary
-from .registration import api_pb2 as reg
-from .v1 import api_pb2 as v1
-from .v1beta1 import api_pb2 as v1beta1
+from ... import log
+from ...errors import NvcError, escape
+from ...kubelet.endpoint import Malformed, unary
+from ..registration import api_pb2 as reg
+from ..v1 import api_pb2 as v1
+from ..v1beta1 import api_pb2 as v1beta1
 
 PLUGIN_TYPE = "DRAPlugin"
 VERSIONS = {"v1.DRAPlugin": v1, "v1beta1.DRAPlugin": v1beta1}

@@ -23,12 +23,12 @@ from __future__ import annotations
 import json
 import re
 
-from ..cdi import generate, yamltext
-from ..cdi.spec import Spec
-from ..documents import json_value
-from ..errors import NvcError, escape
-from ..records import replace
-from ..request.selection import AllowList
+from ...cdi import generate, yamltext
+from ...cdi.spec import Spec
+from ...documents import json_value
+from ...errors import NvcError, escape
+from ...records import replace
+from ...request.selection import AllowList
 
 VENDOR = "k8s.gpu.nvidia.com"
 CLASS = "claim"

@@ -23,11 +23,11 @@ import os
 import re
 import time
 
-from .. import log
-from ..errors import NvcError, escape
-from ..kubelet.backoff import Backoff
+from ... import log
+from ...errors import NvcError, escape
+from ...kubelet.backoff import Backoff
 from . import slices
-from .names import DRIVER
+from ..names import DRIVER
 
 BUDGET = 30.0            # one sync, at most
 RESYNC = 300.0           # seconds between syncs when nothing changed

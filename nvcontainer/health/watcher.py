@@ -1,6 +1,6 @@
 """The health watcher: a child program that holds NVML's event set and reports what it sees.
 
-    python -I -m nvcontainer.deviceplugin.watcher   (a JSON request on stdin; JSON lines on stdout)
+    python -I -m nvcontainer.health.watcher   (a JSON request on stdin; JSON lines on stdout)
 
 Why a separate program: NVML is vendor code that starts threads, can hang in the driver and can
 crash, and the plugin is a multi-threaded gRPC server, where ``fork()`` without ``exec`` is not
@@ -106,7 +106,11 @@ def _watch(library: str, uuids: list[str], user, interval: float, parent: int) -
         except nv.NVMLError as exc:
             unwatched[uuid] = str(exc)
             missing.append(uuid)
-    events = nv.nvmlEventSetCreate()
+    try:
+        events = nv.nvmlEventSetCreate()
+    except nv.NVMLError as exc:      # a driver without the event API (NVIDIA's plugins: health checks off)
+        _emit({"ev": "no-events", "why": f"nvmlEventSetCreate: {exc}"})
+        return 0
     for uuid, handle in handles.items():
         try:
             supported = nv.nvmlDeviceGetSupportedEventTypes(handle)

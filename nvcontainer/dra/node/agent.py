@@ -21,9 +21,9 @@ import asyncio
 import os
 import signal
 
-from ..errors import escape
-from ..kubelet import sockets
-from ..kubelet.endpoint import Endpoint
+from ...errors import escape
+from ...kubelet import sockets
+from ...kubelet.endpoint import Endpoint
 from .service import VERSIONS, DraService, Registration
 
 DRA_SOCKET = "dra.sock"

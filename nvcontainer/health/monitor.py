@@ -25,7 +25,7 @@ from .. import log
 from ..documents import json_value
 from ..errors import NvcError, escape
 from ..kubelet.backoff import Backoff
-from . import health as rules
+from . import rules
 from .topology import from_report
 
 MAX_LINE = 1 << 20
@@ -35,8 +35,11 @@ CLOSE_WAITS = (1.0, 1.0, 6.0)      # seconds after each cancel; the last covers 
 WATCHER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
 
+NO_EVENTS = "no-events:"      # _run_once's answer for a driver without NVML's event API
+
+
 def watcher_argv() -> list[str]:
-    return [sys.executable, "-I", "-m", "nvcontainer.deviceplugin.watcher"]
+    return [sys.executable, "-I", "-m", "nvcontainer.health.watcher"]
 
 
 class Monitor:
@@ -44,7 +47,9 @@ class Monitor:
     with a :class:`topology.Topology` when the watcher reports one."""
 
     def __init__(self, inv, library: str, settings, user, publish, on_topology, say, *,
-                 numa: dict | None = None, argv=None, start_timeout: float = 30.0, clock=time.monotonic):
+                 numa: dict | None = None, argv=None, start_timeout: float = 30.0, clock=time.monotonic,
+                 on_unmonitored=None):
+        self.on_unmonitored = on_unmonitored or (lambda why: None)
         self.inv = inv
         self.library = library
         self.settings = settings
@@ -97,6 +102,13 @@ class Monitor:
             started = self.clock()
             why = await self._run_once()
             if self._closing:
+                return
+            if why.startswith(NO_EVENTS):
+                # NVIDIA's plugins: a driver without the event API keeps every device, unwatched
+                self._update(rules.Health())
+                self._state(f"health checks off: the driver's NVML has no event API ({why[len(NO_EVENTS):]}); "
+                            "every device stays available, unmonitored")
+                self.on_unmonitored(why[len(NO_EVENTS):])
                 return
             if self.clock() - started > 10 * BACKOFF_MAX:
                 backoff.reset()
@@ -151,6 +163,8 @@ class Monitor:
             kind = msg.get("ev")
             if kind == "error":
                 error = f"NVML failed: {escape(msg.get('why'), 200)}"
+            elif kind == "no-events":
+                return NO_EVENTS + escape(msg.get("why"), 200)
             elif kind == "ready":
                 timeout = self.settings.heartbeat_timeout_seconds
                 unwatched = msg.get("unwatched")
@@ -189,3 +203,4 @@ async def _kill(proc) -> None:
         await asyncio.wait_for(proc.wait(), 5)
     except asyncio.TimeoutError:
         log.warning(f"health watcher {proc.pid} did not die")
+

@@ -1,7 +1,7 @@
 """The inventory, as a child program sees it now: how the DRA driver notices a driver reload or a
 MIG reconfiguration.
 
-    python -I -m nvcontainer.dra.snapshot   (the configuration as JSON on stdin; the inventory
+    python -I -m nvcontainer.dra.publishing.snapshot   (the configuration as JSON on stdin; the inventory
                                              as JSON on stdout, or {"error": line})
 
 Why a child program: the inventory cache (``inventory/cache.py``) already knows when its entry
@@ -19,23 +19,23 @@ import os
 import subprocess
 import sys
 
-from ..documents import json_value
-from ..errors import NvcError, escape
-from ..inventory.model import Inventory
+from ...documents import json_value
+from ...errors import NvcError, escape
+from ...inventory.model import Inventory
 
 MAX_REPLY = 16 << 20
 ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
 
 def config_to_json(config) -> dict:
-    from ..records import asdict
+    from ...records import asdict
 
     return {k: v for k, v in asdict(config).items() if k not in ("origins", "inert", "note", "source", "debug")}
 
 
 def config_from_json(data: dict):
-    from ..config.model import Config
-    from ..records import fields
+    from ...config.model import Config
+    from ...records import fields
 
     kinds = {f.name: f.type for f in fields(Config)}
     values = {}
@@ -50,7 +50,7 @@ def config_from_json(data: dict):
 
 def current(config, *, proc: str = "/proc", timeout: float = 60.0, argv=None) -> Inventory:
     """The inventory now (from the cache when it still holds; rebuilt when not)."""
-    argv = argv or [sys.executable, "-I", "-m", "nvcontainer.dra.snapshot"]
+    argv = argv or [sys.executable, "-I", "-m", "nvcontainer.dra.publishing.snapshot"]
     request = {"config": config_to_json(config), "proc": proc}
     # the cache keys an entry by the PATH and MPS directory the files were searched in: the
     # child searches where this process did, so it reads (and checks) this process's entry
@@ -76,7 +76,7 @@ def current(config, *, proc: str = "/proc", timeout: float = 60.0, argv=None) ->
 
 
 def main() -> int:
-    from ..inventory.cache import cached_inventory
+    from ...inventory.cache import cached_inventory
 
     try:
         request = json.loads(sys.stdin.buffer.read(1 << 20))
