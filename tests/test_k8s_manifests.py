@@ -27,7 +27,7 @@ from nvcontainer.config import load as config_load  # noqa: E402
 from nvcontainer.config.model import Config  # noqa: E402
 from nvcontainer.deviceplugin import mps, settings as dp_settings  # noqa: E402
 from nvcontainer.installer.settings import READY_FILE  # noqa: E402
-from nvcontainer.labels import publish  # noqa: E402
+from nvcontainer.labels import featurefile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -302,7 +302,7 @@ def test_the_labeller_writes_nfd_s_feature_file(rendered):
     _target, objs = rendered
     labeller = container_of(one(objs, "DaemonSet", "nvcontainer-node-labeller"))
     assert command_word(labeller) == "labels"
-    assert option(labeller, "--output-file") == publish.DEFAULT_FEATURE_FILE
+    assert option(labeller, "--output-file") == featurefile.DEFAULT_FEATURE_FILE
     assert int(option(labeller, "--period")) > 0
 
 
