@@ -29,7 +29,7 @@ from nvcontainer.inventory import ldcache
 from nvcontainer.inventory.model import DeviceNode, DriverFile, Gpu, Inventory, MigDevice
 from tests.fixtures import runtime
 from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
-from tests.test_docs import assert_documented, mentions, section
+from tests.fixtures.docs import assert_documented, mentions, section
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "nvcontainer"]

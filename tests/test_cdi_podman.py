@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures import runtime
-from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
+from tests.fixtures.fakegpu import FakeSpec
 from tests.test_e2e_runtimes import ENXIO, EPERM, GRAPHICS, assert_graphics_container, host_mounts, parse
 
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
@@ -53,12 +52,7 @@ def machine(fake_machine_factory):
 
 @pytest.fixture(scope="module")
 def spec_dir(machine, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cdi")
-    res = run_in_fake_proc(machine, [sys.executable, "-m", "nvcontainer", "--root", str(machine.root), "cdi",
-                                     "generate", "--output", str(out / "nvidia.yaml")],
-                           capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    return out
+    return runtime.cdi_spec_dir(machine, tmp_path_factory.mktemp("cdi"))
 
 
 def run_podman_cdi(machine, spec_dir: Path, base: Path, device: str, script: str, runtime_name: str = "crun"):

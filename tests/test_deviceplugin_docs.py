@@ -5,16 +5,14 @@ it carries is one the plugin accepts."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from nvcontainer.deviceplugin import settings
-from tests.test_docs import assert_documented, help_options, mentions, section
+from tests.fixtures.docs import assert_documented, help_options, man_warnings, mentions, section
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "man" / "nvcontainer-device-plugin.1"
@@ -44,7 +42,4 @@ def test_the_guide_shows_the_manifest_file():
 
 @pytest.mark.skipif(shutil.which("man") is None, reason="man is not installed")
 def test_page_renders_without_warnings():
-    env = dict(os.environ, MANWIDTH="80")
-    result = subprocess.run(["man", "--warnings", "-l", str(PAGE)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env, timeout=60)
-    assert result.returncode == 0 and result.stderr == ""
+    assert man_warnings(PAGE) == ""

@@ -15,12 +15,12 @@ allows it, no driver is behind it), the other GPU's node is absent and denied (t
 from __future__ import annotations
 
 import shutil
-import sys
 
 import pytest
 
 from nvcontainer.deviceplugin.v1beta1 import api_pb2 as pb
-from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
+from tests.fixtures import runtime
+from tests.fixtures.fakegpu import FakeSpec
 from tests.test_deviceplugin_server import serving
 from tests.test_orchestrators import CHECKS, assert_sees_only, config, run
 
@@ -84,12 +84,7 @@ def test_volume_mounts_into_a_runc_bundle(machine, tmp_path):
 def spec_dir(machine, tmp_path_factory):
     if shutil.which("podman") is None or shutil.which("crun") is None:
         pytest.skip("podman and crun are needed")
-    out = tmp_path_factory.mktemp("cdi")
-    res = run_in_fake_proc(machine, [sys.executable, "-m", "nvcontainer", "--root", str(machine.root), "cdi",
-                                     "generate", "--output", str(out / "nvidia.yaml")],
-                           capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    return out
+    return runtime.cdi_spec_dir(machine, tmp_path_factory.mktemp("cdi"))
 
 
 @pytest.mark.parametrize("strategy, ids", [("cdi-annotations", "uuid"), ("cdi-cri", "uuid"), ("cdi-cri", "index")])

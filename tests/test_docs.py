@@ -11,11 +11,8 @@ from __future__ import annotations
 
 from nvcontainer import records
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,7 @@ from nvcontainer.request import decide as request
 from nvcontainer.request import visible
 from nvcontainer.inventory import catalog
 from nvcontainer.plan import model
+from tests.fixtures.docs import assert_documented, help_options, man_warnings, mentions, roff, section
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI_PAGE = ROOT / "man" / "nvcontainer.1"
@@ -36,51 +34,6 @@ CONFIG_PAGE = ROOT / "man" / "nvcontainer.toml.5"
 RUNTIME_PAGE = ROOT / "man" / "nvidia-container-runtime.1"
 PLAN_DOC = ROOT / "docs" / "plan.md"
 PAGES = (CLI_PAGE, HOOK_PAGE, CONFIG_PAGE, RUNTIME_PAGE)
-
-
-def roff(name: str) -> str:
-    return name.replace("-", "\\-")
-
-
-def mentions(text: str, name: str) -> bool:
-    """``name`` (roff-escaped) occurs as a whole word: ``--json`` must not match ``--json-x``."""
-    text = re.sub(r"\\f[BIRP]", "", text)   # font changes: \fBprestart\fR is "prestart"
-    return re.search(r"(?<![\w\\-])" + re.escape(roff(name)) + r"(?![\w]|\\-)", text) is not None
-
-
-def section(text: str, start: str) -> str:
-    """From the line ``start`` to the next ``.SS`` or ``.SH`` line."""
-    lines = text.splitlines()
-    begin = lines.index(start)
-    end = next((i for i in range(begin + 1, len(lines)) if lines[i].startswith((".SS ", ".SH "))), len(lines))
-    return "\n".join(lines[begin:end])
-
-
-def help_options(*args: str) -> list[tuple[str | None, str]]:
-    """(short, long) of every option in ``nvcontainer ARGS --help``, help itself excepted."""
-    out = subprocess.run([sys.executable, "-m", "nvcontainer", *args, "--help"], capture_output=True,
-                         text=True, check=True, cwd=ROOT, timeout=60).stdout
-    found = re.findall(r"^ {2}(?:(-[A-Za-z]), )?(--[a-z0-9][a-z0-9-]*)", out, re.M)
-    options = [(short or None, long) for short, long in found if long != "--help"]
-    assert len(options) >= 5, out   # the parse itself must not silently find nothing
-    return options
-
-
-def man_warnings(page: Path) -> str:
-    """What ``man --warnings`` says of ``page`` at 80 columns ("" when it renders cleanly)."""
-    env = dict(os.environ, MANWIDTH="80")
-    result = subprocess.run(["man", "--warnings", "-l", str(page)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env, timeout=60)
-    return result.stderr or ("" if result.returncode == 0 else f"exit status {result.returncode}")
-
-
-def assert_documented(options, text: str, where: str) -> None:
-    for short, long in options:
-        lines = [line for line in text.splitlines() if mentions(line, long)]
-        assert lines, f"{long} is not documented in {where}"
-        if short:
-            assert any(mentions(line, short) for line in lines), \
-                f"{short} is not documented next to {long} in {where}"
 
 
 def test_every_configure_option_is_in_the_configure_section():
@@ -215,11 +168,7 @@ def test_every_environment_variable_is_in_the_hook_page():
 @pytest.mark.skipif(shutil.which("man") is None, reason="man is not installed")
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_page_renders_without_warnings(page):
-    env = dict(os.environ, MANWIDTH="80")
-    result = subprocess.run(["man", "--warnings", "-l", str(page)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env, timeout=60)
-    assert result.returncode == 0
-    assert result.stderr == ""
+    assert man_warnings(page) == ""
 
 
 README = ROOT / "README.md"

@@ -16,7 +16,7 @@ import pytest
 from nvcontainer.dra.publishing import publish, slices
 from nvcontainer.inventory.build import build
 from tests.fixtures.fakegpu import FakeSpec
-from tests.test_docs import assert_documented, help_options, man_warnings, mentions, section
+from tests.fixtures.docs import assert_documented, help_options, man_warnings, mentions, section
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "man" / "nvcontainer-dra-driver.1"

@@ -10,13 +10,9 @@ import pytest
 
 from nvcontainer.dra import names
 from nvcontainer.errors import NvcError
-from nvcontainer.inventory.build import build
 from nvcontainer.inventory.model import Gpu, Inventory, MigDevice
-from tests.fixtures.fakegpu import FakeSpec
+from tests.fixtures.fakegpu import FakeSpec, inventory_of
 
-
-def inventory_of(machine):
-    return build(str(machine.root), proc=str(machine.proc))
 
 
 def test_two_gpus(fake_machine):

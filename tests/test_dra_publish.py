@@ -15,17 +15,13 @@ from nvcontainer.config.model import Config
 from nvcontainer.dra.publishing import health, publish, snapshot
 from nvcontainer.dra import kubeapi
 from nvcontainer.errors import NvcError
-from nvcontainer.inventory.build import build
-from tests.fixtures.fakegpu import FakeSpec
+from tests.fixtures.fakegpu import FakeSpec, inventory_of
 from tests.fixtures.fakegpu.spec import gpu_uuid
 from tests.fixtures.kubeapi import FakeApiServer, fake_api, kube_client  # noqa: F401 (fixtures)
 from tests.fixtures.kubelet import inject_event, set_driver_state
 
 NODE = "node-a"
 
-
-def inventory_of(machine):
-    return build(str(machine.root), proc=str(machine.proc))
 
 
 @pytest.fixture

@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 
 from nvcontainer.dra.publishing import publish, slices
-from nvcontainer.inventory.build import build
 from nvcontainer.request.selection import allow_list
-from tests.fixtures.fakegpu import FakeSpec
+from tests.fixtures.fakegpu import FakeSpec, inventory_of
 from tests.fixtures.fakegpu.spec import gpu_uuid, mig_uuid
 from tests.fixtures.kubeapi import validate_slice
 
@@ -18,9 +17,6 @@ NODE = "node-a"
 DRIVER_VERSION = {"version": "550.54.14"}       # FakeSpec's driver 550.54.14
 CUDA = {"version": "12.4.0"}                    # FakeSpec's cuda_version 12040
 
-
-def inventory_of(machine):
-    return build(str(machine.root), proc=str(machine.proc))
 
 
 def slices_of(machine, **kw):

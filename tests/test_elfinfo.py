@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory import elfinfo
 from nvcontainer.inventory.elfinfo import ElfFacts
+from tests.fixtures.binary import patched
 
 pytestmark = pytest.mark.skipif(
     os.uname().machine != "x86_64" or not shutil.which("gcc"),
@@ -71,12 +72,6 @@ def read_bytes(data: bytes) -> ElfFacts | None:
         return elfinfo.read_elf(fd)
     finally:
         os.close(fd)
-
-
-def patched(data: bytes, offset: int, fmt: str, value: int) -> bytes:
-    out = bytearray(data)
-    struct.pack_into(fmt, out, offset, value)
-    return bytes(out)
 
 
 def elf_error(data: bytes, *words: str) -> NvcError:

@@ -12,7 +12,6 @@ import signal
 import stat
 import tempfile
 import time
-import traceback
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +19,7 @@ from hypothesis import strategies as st
 
 from nvcontainer.fs import inroot, syscalls
 from nvcontainer.fs.inroot import create_file_at, inspect_at, mkdirs_in_root, mknod_at, open_in_root, symlink_at
+from tests.fixtures.namespaces import run_in_private_ns
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -105,31 +105,6 @@ def ident(fd: int) -> tuple[int, int]:
         return s.st_dev, s.st_ino
     finally:
         os.close(fd)
-
-
-def run_in_private_ns(fn, *args) -> None:
-    """Run ``fn`` in a forked child with its own private mount namespace; re-raise its failure.
-    Mounts made there vanish with the child and never propagate to the host."""
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        status = 1
-        try:
-            os.close(rfd)
-            signal.alarm(60)
-            syscalls.unshare(syscalls.CLONE_NEWNS)
-            syscalls.mount(None, "/", None, syscalls.MS_REC | syscalls.MS_PRIVATE)
-            fn(*args)
-            status = 0
-        except BaseException:
-            os.write(wfd, traceback.format_exc().encode()[-8000:])
-        finally:
-            os._exit(status)
-    os.close(wfd)
-    with os.fdopen(rfd, "rb") as fh:
-        report = fh.read()
-    _, wstatus = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(wstatus) == 0, report.decode(errors="replace")
 
 
 # --------------------------------------------------------------------------------------------

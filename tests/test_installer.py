@@ -608,13 +608,7 @@ def test_another_nvidia_handler_in_containerd_2s_layout_is_named():
 
 # the world: containerd under a loop that starts it again when it exits (its service manager's
 # part), a long-running pod, then (after the installer ran) that pod's state and a GPU pod
-RESTART_WORLD = r"""
-set -e
-base=$1 config=$2 etc=$3
-shift 3
-mount -t tmpfs -o mode=755 nvc-run /run
-mkdir -p "$base/etc-upper" "$base/etc-work"
-mount -t overlay nvc-etc -o "lowerdir=$etc:/etc,upperdir=$base/etc-upper,workdir=$base/etc-work" /etc
+RESTART_WORLD = cri.WORLD_PRELUDE + r"""
 ( while [ ! -e "$base/stop" ]; do containerd --config "$config" >> "$base/containerd.log" 2>&1 || true; done ) &
 for i in $(seq 150); do [ -S "$base/c.sock" ] && break; sleep 0.1; done
 for image in image.tar pause.tar; do

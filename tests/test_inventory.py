@@ -11,11 +11,8 @@ import pytest
 
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build
-from tests.fixtures.fakegpu import FakeSpec
+from tests.fixtures.fakegpu import FakeSpec, inventory_of
 
-
-def inventory_of(machine, **kwargs):
-    return build(str(machine.root), proc=str(machine.proc), **kwargs)
 
 
 def test_two_gpus_match_the_machine(fake_machine):

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory import ldcache
 from nvcontainer.inventory.ldcache import ARCH_I386, ARCH_X86_64, CacheEntry
+from tests.fixtures.binary import patched
 
 pytestmark = pytest.mark.skipif(
     os.uname().machine != "x86_64" or not shutil.which("gcc") or not shutil.which("ldconfig"),
@@ -83,12 +84,6 @@ def strings_end(data: bytes) -> int:
     at = new_header_at(data)
     nlibs, len_strings = struct.unpack_from("<II", data, at + 20)
     return at + NEW_HEADER + nlibs * NEW_ENTRY + len_strings
-
-
-def patched(data: bytes, offset: int, fmt: str, value: int) -> bytes:
-    out = bytearray(data)
-    struct.pack_into(fmt, out, offset, value)
-    return bytes(out)
 
 
 def expect_error(data: bytes, *words: str) -> NvcError:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import stat
-import traceback
 
 import pytest
 
@@ -16,6 +14,7 @@ from nvcontainer.errors import NvcError
 from nvcontainer.fs import mounts, syscalls
 from nvcontainer.fs.inroot import create_file_at, mkdirs_in_root, mknod_at, open_in_root
 from nvcontainer.fs.mounts import attach, bind_classic, clone_mount, detach, mount_info_of, set_attrs
+from tests.fixtures.namespaces import run_in_private_ns
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mount tests need root")
 
@@ -39,32 +38,6 @@ def host_mountinfo_unchanged(tmp_path_factory):
     yield
     assert os.readlink("/proc/self/ns/mnt") == ns
     assert host_mounts_under(top) == before
-
-
-def run_in_private_ns(fn, prepare=None) -> None:
-    """Run ``fn`` in a forked child inside a new private mount namespace. ``prepare`` runs in
-    the child before unshare(), still in the host namespace, and its result goes to ``fn``."""
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        status = 1
-        try:
-            os.close(rfd)
-            signal.alarm(60)
-            prepared = prepare() if prepare else None
-            syscalls.unshare(syscalls.CLONE_NEWNS)
-            syscalls.mount(None, "/", None, syscalls.MS_REC | syscalls.MS_PRIVATE)
-            fn(prepared) if prepare else fn()
-            status = 0
-        except BaseException:
-            os.write(wfd, traceback.format_exc().encode()[-8000:])
-        finally:
-            os._exit(status)
-    os.close(wfd)
-    with os.fdopen(rfd, "rb") as fh:
-        report = fh.read()
-    _, wstatus = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(wstatus) == 0, report.decode(errors="replace")
 
 
 def entry_at(path) -> mounts.MountEntry:
