@@ -22,7 +22,8 @@ import pytest
 
 from tests.fixtures import runtime
 from tests.fixtures.fakegpu import FakeSpec
-from tests.test_e2e_runtimes import ENXIO, EPERM, GRAPHICS, assert_graphics_container, host_mounts, parse
+from tests.fixtures.runtime import ENXIO, EPERM, host_mounts, parse_facts as parse
+from tests.test_e2e_runtimes import GRAPHICS, assert_graphics_container
 
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
 CHECKS = rf"""

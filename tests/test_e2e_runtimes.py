@@ -14,8 +14,7 @@ import pytest
 from tests.fixtures import runtime
 from tests.fixtures.fakegpu import FakeSpec
 
-ENXIO = "No such device or address"
-EPERM = "Operation not permitted"
+ENXIO, EPERM = runtime.ENXIO, runtime.EPERM
 
 CHECKS = r"""
 echo "OPEN0:$(cat /dev/nvidia0 2>&1 | head -1)"
@@ -33,9 +32,7 @@ echo "DONE:ok"
 parse = runtime.parse_facts
 
 
-def host_mounts() -> list[str]:
-    with open("/proc/self/mountinfo") as f:
-        return sorted(" ".join(line.split()[3:5]) for line in f)
+host_mounts = runtime.host_mounts
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from nvcontainer.setup import containerd as containerd_setup
 from tests.fixtures import cri, dockerd, runtime
 from tests.fixtures.fakegpu import FakeSpec
 
-ENXIO = "No such device or address"
+ENXIO = runtime.ENXIO
 VENV = Path(sys.executable).parent
 CLI = [sys.executable, "-m", "nvcontainer"]
 

@@ -28,7 +28,7 @@ from tests.fixtures import containerd, runtime
 from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.fakegpu.runner import fake_proc_command
 from tests.test_cdi_podman import spec_dir  # noqa: F401 (a fixture: `cdi generate` for this module's machine)
-from tests.test_e2e_runtimes import ENXIO, EPERM, host_mounts
+from tests.fixtures.runtime import ENXIO, EPERM, host_mounts
 
 CHECKS = r"""
 for n in 0 1; do

@@ -16,7 +16,7 @@ from nvcontainer.inventory.build import build
 from nvcontainer.request.decide import CAPABILITIES
 from tests.fixtures import runtime
 from tests.fixtures.fakegpu import FakeSpec
-from tests.test_e2e_runtimes import ENXIO, parse
+from tests.fixtures.runtime import ENXIO, parse_facts as parse
 
 CHECKS = r"""
 echo "NODES:$(ls /dev | grep -E '^nvidia[0-9]+$' | sort | tr '\n' ' ')"
