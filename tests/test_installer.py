@@ -610,13 +610,7 @@ def test_another_nvidia_handler_in_containerd_2s_layout_is_named():
 # part), a long-running pod, then (after the installer ran) that pod's state and a GPU pod
 RESTART_WORLD = cri.WORLD_PRELUDE + r"""
 ( while [ ! -e "$base/stop" ]; do containerd --config "$config" >> "$base/containerd.log" 2>&1 || true; done ) &
-for i in $(seq 150); do [ -S "$base/c.sock" ] && break; sleep 0.1; done
-for image in image.tar pause.tar; do
-    ctr --address "$base/c.sock" -n k8s.io images import --snapshotter native "$base/$image" > /dev/null
-done
-set +e
-"$@"
-rc=$?
+""" + cri.WORLD_READY + r"""
 touch "$base/stop"; pkill -x containerd; wait
 exit $rc
 """
