@@ -47,7 +47,7 @@ int main(int argc, char **argv)
     char tree[PATH_MAX];
     ssize_t n = readlink("/proc/self/exe", tree, sizeof tree - 1);
     if (n <= 0) {
-        fprintf(stderr, "%s: error: cannot find this program's own file (/proc/self/exe): %s\n", name,
+        fprintf(stderr, "%s: error: cannot find this program's own file (/proc/self/exe; is /proc mounted?): %s\n", name,
                 strerror(errno ? errno : ENOENT));
         return 127;
     }
