@@ -87,7 +87,7 @@ def manifest(root: Path) -> dict[str, str]:
     out = {}
     for dirpath, dirs, files in os.walk(root):
         rel = os.path.relpath(dirpath, root)
-        if rel.startswith(("var/lib/dpkg", "var/log", "var/cache", "tmp", "proc", "fake")):
+        if rel.startswith(("var/lib/dpkg", "var/log", "var/cache", "tmp", "proc")):
             dirs[:] = []
             continue
         for name in dirs + files:
@@ -116,27 +116,30 @@ def roots(packages, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
         before = manifest(root)
         res = dpkg_install(root, packages["deb"])
         assert res.returncode == 0, f"{suite}: {res.stdout}\n{res.stderr}"
-        (root / "fake").mkdir()
         out[suite] = (root, before)
     return out
 
 
-# in the fake machine's /proc view: the root's /proc is that view, the fake machine at /fake and
-# the test's directory at its own path; then the command (in the chroot, or runc beside it)
+# in the fake machine's /proc view: the root's /proc is that view, the fake machine (its mock
+# NVML reads its description there) and the test's directory at their own paths; then the
+# command (in the chroot, or runc beside it)
 IN_ROOT = r"""
 set -e
-root=$1 machine=$2 shared=$3
-shift 3
+root=$1
+shift
 mount --rbind /proc "$root/proc"
-mount --bind "$machine" "$root/fake"
-mkdir -p "$root$shared"
-mount --bind "$shared" "$root$shared"
+mount --rbind /sys "$root/sys"
+for dir in "$1" "$2"; do
+    mkdir -p "$root$dir"
+    mount --bind "$dir" "$root$dir"
+done
+shift 2
 exec "$@"
 """
 
 
 def in_root(machine, root: Path, shared: Path, argv: list) -> subprocess.CompletedProcess:
-    return sh(*fake_proc_command(machine, ["sh", "-c", IN_ROOT, "in-root", str(root), str(machine.root),
+    return sh(*fake_proc_command(machine, ["sh", "-c", IN_ROOT, "in-root", str(root), str(machine.base),
                                            str(shared), *map(str, argv)]), check=False)
 
 
@@ -149,8 +152,8 @@ def test_info_and_list_are_the_same_on_debian_11_12_and_13(roots, machine, tmp_p
     outputs = {}
     for suite, (root, _) in roots.items():
         got = []
-        for argv in (["/usr/bin/nvcontainer", "--root", "/fake", "info"],
-                     ["/usr/bin/nvidia-container-cli", "--root", "/fake", "list"]):
+        for argv in (["/usr/bin/nvcontainer", "--root", machine.root, "info"],
+                     ["/usr/bin/nvidia-container-cli", "--root", machine.root, "list"]):
             res = in_root(machine, root, tmp_path, ["chroot", root, *argv])
             assert res.returncode == 0 and res.stderr == "", f"{suite} {argv}: {res.stderr}"
             got.append(res.stdout)
@@ -158,9 +161,11 @@ def test_info_and_list_are_the_same_on_debian_11_12_and_13(roots, machine, tmp_p
     info, listing = outputs["bookworm"]
     assert "NVRM version:" in info and "/dev/nvidia0" in listing and "libcuda.so" in listing
     assert outputs["bullseye"] == outputs["bookworm"] == outputs["trixie"]
-    # the root's own Python is not ours: Debian 11's is 3.9, 13's 3.13
-    assert "python3.9" in os.listdir(roots["bullseye"][0] / "usr/lib")
-    assert "python3.13" in os.listdir(roots["trixie"][0] / "usr/lib")
+    # nothing of the root's userland is ours: no Python at all (minbase), and its own glibc
+    for suite, glibc in (("bullseye", "2.31"), ("bookworm", "2.36"), ("trixie", "2.41")):
+        root = roots[suite][0]
+        assert not (root / "usr/bin/python3").exists()
+        assert sh("chroot", root, "dpkg-query", "-W", "-f=${Version}", "libc6").stdout.startswith(glibc)
 
 
 @pytest.mark.parametrize("suite", SUITES)
@@ -172,9 +177,9 @@ def test_a_runc_container_gets_its_gpu_from_each_roots_hook(roots, machine, tmp_
     spec = json.loads((bundle / "config.json").read_text())
     hooks = spec["hooks"]["prestart"]
     hooks[1] = {"path": "/usr/sbin/chroot", "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "timeout": 120,
-                "args": ["chroot", str(root), "/usr/bin/nvcontainer-hook", "--root", "/fake", "prestart"]}
+                "args": ["chroot", str(root), "/usr/bin/nvcontainer-hook", "--root", str(machine.root), "prestart"]}
     (bundle / "config.json").write_text(json.dumps(spec))
-    wrap = ["sh", "-c", IN_ROOT, "in-root", str(root), str(machine.root), str(tmp_path)]
+    wrap = ["sh", "-c", IN_ROOT, "in-root", str(root), str(machine.base), str(tmp_path)]
     res = runtime.run_container(machine, bundle, wrap=wrap)
     assert res.returncode == 0, res.stderr
     got = runtime.parse_facts(res.stdout)
@@ -227,7 +232,6 @@ def test_the_rpm_holds_exactly_the_debs_files(packages, tmp_path):
 
 def test_purge_leaves_each_root_as_it_was(roots):
     for suite, (root, before) in roots.items():
-        (root / "fake").rmdir()
         res = sh("chroot", root, "dpkg", "-P", "nvcontainer", check=False, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
         assert res.returncode == 0, f"{suite}: {res.stderr}"
         after = manifest(root)
