@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 tools=$(realpath "${1:?usage: benchmarks/realgpu_bundle.sh TOOLS OUT [PACKAGE]}")
 out=$(realpath -m "${2:?usage: benchmarks/realgpu_bundle.sh TOOLS OUT [PACKAGE]}")
-pkg=${3:-$(ls .realgpu/bundle/nvcontainer_*_amd64.deb .realgpu/bundle/nvcontainer_*_amd64.tar.gz 2>/dev/null | head -1)}
+pkg=${3:-$( (ls .realgpu/bundle/nvcontainer_*_amd64.deb .realgpu/bundle/nvcontainer_*_amd64.tar.gz 2>/dev/null || true) | head -1)}
 [ -f "$pkg" ] || { echo "realgpu_bundle: no package (${pkg:-none in .realgpu/bundle/})" >&2; exit 1; }
 mkdir -p "$out"
 log=$out/bundle.log
@@ -49,8 +49,9 @@ mkdir -p "$rootfs"/{bin,usr/bin,lib64,lib/x86_64-linux-gnu,etc,proc,sys,dev,tmp}
 cp "$tools/busybox" "$rootfs/bin/busybox"
 for a in sh cat ls; do ln -s busybox "$rootfs/bin/$a"; done
 echo /lib/x86_64-linux-gnu > "$rootfs/etc/ld.so.conf"
-smi=$(command -v nvidia-smi)
+smi=$(command -v nvidia-smi || true)
 [ -x /usr/local/nvidia/bin/nvidia-smi ] && smi=/usr/local/nvidia/bin/nvidia-smi   # /usr/bin/nvidia-smi is a script there
+[ -n "$smi" ] || { echo "realgpu_bundle: no nvidia-smi on this node (no driver?)" >&2; exit 1; }
 ldd "$smi" | sed -n 's/.*=> \(\/[^ ]*\) .*/\1/p; s/^\s*\(\/[^ ]*ld-linux[^ ]*\) .*/\1/p' | grep -v -e nvidia -e libcuda |
 while read -r lib; do
     case "$lib" in *ld-linux*) cp -L "$lib" "$rootfs/lib64/" ;; *) cp -L "$lib" "$rootfs/lib/x86_64-linux-gnu/" ;; esac
@@ -84,7 +85,7 @@ fi
 set -e
 echo "== runc run ${pivot[*]} with the package's nvcontainer-hook, NVIDIA_VISIBLE_DEVICES=0: rc=$rc"
 echo "$got"
-echo "== $(echo "$(date +%s.%N) - $start" | bc 2>/dev/null || echo '?') s"
+echo "== $(python3 -c "import sys; print(round($(date +%s.%N) - $start, 1))") s"
 if [ $rc = 0 ] && grep -q '^GPU 0: ' <<< "$got" && ! grep -q '^GPU 1: ' <<< "$got"; then
     echo "realgpu_bundle: PASS (the container listed GPU 0 alone)"
 else
