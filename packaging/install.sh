@@ -22,9 +22,10 @@ case "${1:-}" in
     sh "$share/tarball-prerm" remove
     while read -r f; do rm -f "$f"; done < "$list"
     rm -rf /usr/lib/nvcontainer
-    rm -f "$list" "$share/install.sh" "$share/tarball-prerm" "$share/tarball-postrm.tmp"
+    dirs=$(sort -r "$share/tarball-dirs.list" 2>/dev/null || true)
+    rm -f "$list" "$share/install.sh" "$share/tarball-prerm" "$share/tarball-dirs.list"
     cp "$share/tarball-postrm" /tmp/nvcontainer-postrm.$$ && rm -f "$share/tarball-postrm"
-    rmdir "$share" /usr/share/doc/nvcontainer 2>/dev/null || true
+    for d in $dirs "$share" /usr/share/doc/nvcontainer; do rmdir "$d" 2>/dev/null || true; done
     sh /tmp/nvcontainer-postrm.$$ remove && sh /tmp/nvcontainer-postrm.$$ purge
     rm -f /tmp/nvcontainer-postrm.$$
     say "uninstalled"
@@ -45,6 +46,12 @@ fi
 [ -e /usr/lib/nvcontainer ] && mv /usr/lib/nvcontainer "$old"
 mv "$new" /usr/lib/nvcontainer
 rm -rf "$old"
+# the directories this install makes (--uninstall takes them away again, not one that was there)
+created=$(mktemp)
+trap 'rm -rf "$new" "$created"' EXIT
+(cd "$here/files" && find . -type d ! -path './usr/lib/nvcontainer*' | sed 's|^\.||') | while read -r d; do
+    if [ -n "$d" ] && [ ! -d "$d" ]; then echo "$d" >> "$created"; fi
+done
 (cd "$here/files" && find . ! -type d ! -path './usr/lib/nvcontainer/*' | sed 's|^\.||') | while read -r f; do
     mkdir -p "$(dirname "$f")"
     cp -a "$here/files$f" "$f.nvcontainer-new" && mv -f "$f.nvcontainer-new" "$f"
@@ -53,6 +60,8 @@ mkdir -p "$share"
 cp "$here/prerm" "$share/tarball-prerm"
 cp "$here/postrm" "$share/tarball-postrm"
 cp "$here/install.sh" "$share/install.sh"
+if [ -f "$share/tarball-dirs.list" ]; then cat "$share/tarball-dirs.list" >> "$created"; fi
+sort -u "$created" > "$share/tarball-dirs.list" && rm -f "$created"
 cp "$here/files.list" "$list.tmp" && mv "$list.tmp" "$list"
 sh "$here/postinst" configure
 say "installed in /usr/lib/nvcontainer (uninstall: $share/install.sh --uninstall)"
