@@ -215,6 +215,23 @@ def test_a_read_only_usr_is_one_line_and_nothing_installed(packages, tmp_path):
     assert manifest(root) == before
 
 
+PROC = 'mount -t proc proc "$1/proc" && shift && exec "$@"'
+
+
+def test_the_tarball_installs_runs_and_uninstalls_to_the_root_as_it_was(packages, tmp_path):
+    root = scratch("trixie", tmp_path / "root")
+    before = manifest(root)
+    sh("tar", "-C", root / "tmp", "-xzf", packages["tar"])
+    (top,) = [p for p in (root / "tmp").iterdir() if p.name.startswith("nvcontainer-")]
+    ns = ["unshare", "-m", "--propagation", "private", "--", "sh", "-c", PROC, "proc", str(root), "chroot", str(root)]
+    sh(*ns, f"/tmp/{top.name}/install.sh")
+    assert sh(*ns, "/usr/bin/nvidia-container-cli", "--version").stdout.startswith("nvcontainer ")
+    assert (root / "etc/nvcontainer/config.toml").is_file()
+    sh(*ns, "/usr/share/nvcontainer/install.sh", "--uninstall")
+    shutil.rmtree(top)
+    assert manifest(root) == before
+
+
 def test_the_rpm_holds_exactly_the_debs_files(packages, tmp_path):
     root = tmp_path / "rpmroot"
     root.mkdir()
