@@ -189,10 +189,17 @@ def create(base: Path, compare: dict[str, str] | None = None) -> Workspace:
     for the tree of a commit (extracted with ``git archive``), to time beside this checkout."""
     base.mkdir(parents=True, exist_ok=True)
     base.chmod(0o755)   # the unprivileged NVML helper must read the driver roots below
-    python, hook, cli = production_venv(base / "venv")
-    package_dir = package_dir_of(python)
-    native_client = base / "venv" / "bin" / nativeclient.NAME
-    nativeclient.build(str(native_client), str(python))
+    installed = os.environ.get("NVC_BENCH_INSTALL")   # an installed tree (a package's /usr/lib/nvcontainer)
+    if installed:                                      # timed as it is, its own prebuilt programs
+        tree_bin = Path(installed) / "bin"
+        python, hook, cli = tree_bin / "python3", tree_bin / "nvcontainer-hook", tree_bin / "nvcontainer"
+        native_client = tree_bin / nativeclient.NAME
+        package_dir = package_dir_of(python)
+    else:
+        python, hook, cli = production_venv(base / "venv")
+        package_dir = package_dir_of(python)
+        native_client = base / "venv" / "bin" / nativeclient.NAME
+        nativeclient.build(str(native_client), str(python))
     others = {}
     for label, where in (compare or {}).items():
         tree = base / f"tree-{label}"

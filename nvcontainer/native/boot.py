@@ -12,7 +12,8 @@ still ``-I``) and run :func:`_nvc_boot` first, which gives the program the ``sys
 system's site-packages whose ``.pth`` files hold only directory lines (a wheel or the package
 in a venv, this project's benchmark installs). Anything else ``-S`` would drop (an ``import``
 line: an editable install's finder; a file that is not plain
-ASCII; an install outside a venv) makes it call ``site.main()`` itself, which is ``-I``'s start
+ASCII; an install outside a venv, but for the self-contained tree of scripts/bundle, whose
+prefix is its own) makes it call ``site.main()`` itself, which is ``-I``'s start
 exactly. Not run on the fast path, by design: ``sitecustomize`` (a host-wide hook; nothing of
 ours needs it), the user site (``-I`` has none) and setuptools' distutils hack, the one import
 line known to be harmless here (it acts only on ``import distutils`` and ``pip``).
@@ -41,12 +42,17 @@ def _nvc_boot():
         if os.path.isfile(cfg):
             break
     else:
-        return site_start()
+        # the self-contained tree (scripts/bundle): an interpreter install of its own, no venv;
+        # site would add exactly its prefix's site directories, as for a venv without the system's
+        if not (os.path.isdir(os.path.join(prefix, "lib", "nvcontainer-scripts"))
+                and sys.prefix == sys.exec_prefix == prefix):
+            return site_start()
+        cfg = None
     if [os.path.abspath(p) for p in sys.path] != sys.path or len(set(sys.path)) != len(sys.path):
         return site_start()
-    system_site, home = "true", None
+    system_site, home = ("true", None) if cfg else ("false", None)
     try:
-        with open(cfg, encoding="utf-8") as f:
+        with open(cfg or os.devnull, encoding="utf-8") as f:
             for line in f:   # as site.venv() reads it
                 if "=" in line:
                     key, _, value = line.partition("=")
