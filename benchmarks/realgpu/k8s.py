@@ -373,7 +373,6 @@ def dra_mps_claim(gpus: list[str]) -> dict:
 def dra_mps(node, template: Path, server, kubelet, dirs: dict, gpus: list[str], inv) -> dict:
     """Two CUDA clients of the claim's MPS GPU at once, under its limits (the daemon lists both);
     with a second GPU, a container of the claim's time-sliced GPU, which is no MPS client."""
-    from .realgpu import sh
 
     out: dict = {"compute_mode_before": _compute_mode()}
     claim = server.put_claim(dra_mps_claim(gpus))

@@ -147,7 +147,11 @@ def _child(lib_path: str, user: tuple[int, int] | None, parent: int, collect) ->
 def become(user: tuple[int, int] | None, parent: int) -> None:
     """Drop to ``user`` (when root), then die with ``parent``: in that order, as a change of
     identity clears the parent-death signal. Shared by this module's child and the metrics
-    sampler (:mod:`.sampler`), so there is one way NVML's process gives up its privileges."""
+    sampler (:mod:`.sampler`), so there is one way NVML's process gives up its privileges.
+    prctl is imported before the drop: the unprivileged identity may not be able to read the
+    installation (a package unpacked under a root-only directory; found on a real GPU node)."""
+    import prctl  # noqa: F401  (_die_with_parent's, after the drop)
+
     if user is not None and os.geteuid() == 0:
         uid, gid = user
         os.setgroups([])
