@@ -7,8 +7,9 @@
 # libraries runc and NVIDIA's cli need (lib/), NVIDIA's tools to compare with
 # (nvidia-anchors.tar.xz, from ../shared/anchors; the shim that drops the one option the 1.17.9
 # hook passes and the 1.17.0 cli does not know is built here, as benchmarks/nvidia.py builds it)
-# and wheels of the Python dependencies the node's python3 lacks (whl/). nvcontainer itself is
-# installed from this checkout, as a regular (non-editable) install into a virtual environment
+# and wheels of the Python dependencies the node's python3 lacks (whl/), or python-prctl's sdist
+# (sdist/, built here): benchmarks/realgpu_tools.sh TOOLS makes it on a Debian 12 machine.
+# nvcontainer itself is installed from this checkout, as a regular (non-editable) install into a virtual environment
 # that also sees the node's python3 packages; its native fronts and hook client are built with
 # the node's compiler.
 # Everything goes under /tmp/nvc-real, removed first; OUT receives realgpu.json and realgpu.txt
@@ -22,6 +23,12 @@ python=$(command -v python3)
 "$python" -m venv --without-pip "$work/venv" || exit 1
 node_site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 venv_site=$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# python-prctl has no wheel on PyPI: build one from its sdist with the node's compiler and the
+# carried libcap header (benchmarks/realgpu_tools.sh), unless TOOLS brought one
+if ! ls "$work"/tools/whl/python_prctl-*.whl >/dev/null 2>&1 && ls "$work"/tools/sdist/python-prctl-*.tar.gz >/dev/null 2>&1; then
+    CPATH="$work/tools/inc" LIBRARY_PATH="$work/tools/lib" "$python" -m pip wheel -q --no-deps \
+        --no-build-isolation -w "$work/tools/whl" "$work"/tools/sdist/python-prctl-*.tar.gz || exit 1
+fi
 echo "$node_site" > "$venv_site/node-packages.pth"
 "$work/venv/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation \
     "$work"/tools/whl/*.whl . || exit 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -165,6 +166,31 @@ def test_daemon_told_its_limits_in_a_clean_environment_and_cleans_up(machine, tm
     assert sorted(p for kind, p, _ in record(machine) if kind == "quit") == sorted(pids)
     assert sorted(os.listdir(daemon.root)) == ["shm"]          # the per-GPU directories are gone
     assert "stopped" in daemon.stderr()
+
+
+def test_cuda13_control_socket_is_a_ready_daemon(machine, tmp_path, fresh_record):
+    """CUDA 13's nvidia-cuda-mps-control serves a Unix socket named ``control``, not a named pipe
+    (seen on a real H200, docs/real-gpu.md): the daemon is ready, its replicas healthy, and it is
+    told to quit at the end, as with a pipe."""
+    Path(f"{machine.mps_record}.state").write_text("socket\n")
+    daemon = MpsDaemon(machine, tmp_path, {"replicas": 2})
+    try:
+        daemon.wait_for("ready", count=2)
+        assert stat.S_ISSOCK(os.lstat(daemon.directory(0) / "pipe" / "control").st_mode)
+        table = {"sharing": "mps", "replicas": 2, "mps-root": str(daemon.root)}
+        with serving(machine, tmp_path, table) as (kubelet, plugin):
+            (reg,) = kubelet.wait_registered(1)
+            watch = Watch(kubelet.plugin(reg.endpoint))
+            try:
+                assert sorted(watch.until(all_are("Healthy"))) == sorted(
+                    f"{u}::{k}" for u in uuids(machine) for k in range(2))
+            finally:
+                watch.cancel()
+        pids = [daemon.daemon_pid(0), daemon.daemon_pid(1)]
+    finally:
+        assert daemon.stop() == 0
+    assert [told(machine, pid, has("quit"))[-1] for pid in pids] == ["quit", "quit"]
+    assert "did not start" not in daemon.stderr()
 
 
 def test_four_replicas_per_gpu_healthy_only_while_the_daemon_is_up(machine, tmp_path, fresh_record):

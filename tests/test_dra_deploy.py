@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from nvcontainer.dra import kubeapi, slices
+from nvcontainer.dra.driverroot import roots
+from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build
 from tests.fixtures.fakegpu import FakeSpec
 from tests.fixtures.kubeapi import FakeApiServer
@@ -28,23 +30,59 @@ def objects(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
-def deployed() -> list[dict]:
-    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
-    return [o for name in kustomization["resources"] for o in objects(DEPLOY / name)]
+def deployed(where: Path = DEPLOY) -> list[dict]:
+    """The objects of a kustomization (its ``bases`` directories, then its resource files)."""
+    kustomization = yaml.safe_load((where / "kustomization.yaml").read_text())
+    out = [o for base in kustomization.get("bases", ()) for o in deployed((where / base).resolve())]
+    for name in kustomization.get("resources", ()):
+        out += deployed(where / name) if (where / name).is_dir() else objects(where / name)
+    return out
 
 
 def by_kind(kind: str) -> list[dict]:
     return [o for o in deployed() if o["kind"] == kind]
 
 
+VERSIONS = {"": "resource.k8s.io/v1", "v1beta1": "resource.k8s.io/v1beta1", "v1beta2": "resource.k8s.io/v1beta2"}
+
+
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl")
-def test_kustomize_renders_the_same_objects():
-    out = subprocess.run(["kubectl", "kustomize", str(DEPLOY)], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_kustomize_renders_the_same_objects(version):
+    out = subprocess.run(["kubectl", "kustomize", str(DEPLOY / version)], capture_output=True, text=True, timeout=60)
     if out.returncode != 0 and "unknown command" in out.stderr:
         pytest.skip("this kubectl has no kustomize")
     assert out.returncode == 0, out.stderr
-    rendered = sorted((o["kind"], o["metadata"]["name"]) for o in yaml.safe_load_all(out.stdout) if o)
-    assert rendered == sorted((o["kind"], o["metadata"]["name"]) for o in deployed())
+    rendered = [o for o in yaml.safe_load_all(out.stdout) if o]
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in rendered) == \
+        sorted((o["kind"], o["metadata"]["name"]) for o in deployed(DEPLOY / version))
+    # the default is v1 (all Kubernetes 1.34 serves); each older version's overlay its own
+    assert {o["apiVersion"] for o in rendered if o["kind"] == "DeviceClass"} == {VERSIONS[version]}
+
+
+def test_each_version_has_the_same_driver_and_device_classes():
+    def strip(objs):
+        return sorted((o["kind"], yaml.safe_dump({k: v for k, v in o.items() if k != "apiVersion"})) for o in objs)
+
+    default = deployed()
+    for version, api in VERSIONS.items():
+        objs = deployed(DEPLOY / version)
+        assert strip(objs) == strip(default)
+        assert {o["apiVersion"] for o in objs if o["kind"] == "DeviceClass"} == {api}
+
+
+def test_the_v1_examples_are_the_v1beta1_ones_with_requests_under_exactly():
+    def to_v1(obj):
+        if obj["apiVersion"] == "resource.k8s.io/v1beta1":
+            obj = {**obj, "apiVersion": "resource.k8s.io/v1"}
+            spec = obj["spec"]["spec"] if obj["kind"] == "ResourceClaimTemplate" else obj["spec"]
+            spec["devices"]["requests"] = [{"name": r.pop("name"), "exactly": r} for r in spec["devices"]["requests"]]
+        return obj
+
+    for path in sorted((DEPLOY / "examples").glob("*.yaml")):
+        old = objects(DEPLOY / "examples" / "v1beta1" / path.name)
+        assert [to_v1(o) for o in old] == objects(path), path.name
+        assert any(o["apiVersion"] == "resource.k8s.io/v1" for o in objects(path))
 
 
 def verbs_used(tmp_path) -> set[tuple[str, str]]:
@@ -107,10 +145,30 @@ def test_daemonset():
     assert ctr["command"][ctr["command"].index("--hook-path") + 1] == "/usr/bin/nvcontainer-hook"   # the host's
     assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in ctr["env"]
     mounts = {m["mountPath"] for m in ctr["volumeMounts"]}
-    assert {"/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/var/run/cdi", "/host"} <= mounts
+    assert {"/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/var/run/cdi", "/driver-root"} <= mounts
     (config,) = by_kind("ConfigMap")
     assert "/etc/nvcontainer-dra/config.toml" in ctr["command"]
-    assert 'root = "/host"' in config["data"]["config.toml"]
+    # NVIDIA's chart's layout: the host's driver root (/) read at /driver-root, named as the host's
+    env = {e["name"]: e.get("value") for e in ctr["env"]}
+    volume = next(m["name"] for m in ctr["volumeMounts"] if m["mountPath"] == env["DRIVER_ROOT_CTR_PATH"])
+    host = next(v["hostPath"]["path"] for v in pod["volumes"] if v["name"] == volume)
+    assert host == env["NVIDIA_DRIVER_ROOT"] == "/"
+    assert roots(env["NVIDIA_DRIVER_ROOT"], env["DRIVER_ROOT_CTR_PATH"], "/") == ("/driver-root", "/")
+    assert "root =" not in config["data"]["config.toml"]       # no driver root of the pod's own
+
+
+def test_driver_roots_as_nvidia_s_plugin_takes_them():
+    def never(_):
+        return False
+
+    assert roots(None, None, "/", isdir=lambda p: p == "/driver-root") == ("/driver-root", "/")
+    assert roots("/run/nvidia/driver", None, "/", isdir=lambda p: p == "/driver-root") == \
+        ("/driver-root", "/run/nvidia/driver")
+    assert roots(None, "/mnt/d", "/", isdir=never) == ("/mnt/d", "/")
+    assert roots(None, None, "/fake", isdir=never) == ("/fake", "/fake")          # on the host itself
+    assert roots("/run/nvidia/driver", None, "/", isdir=never) == ("/run/nvidia/driver",) * 2
+    with pytest.raises(NvcError, match="--container-driver-root rel: must be an absolute path"):
+        roots(None, "rel", "/")
 
 
 def test_device_classes_are_nvidias():

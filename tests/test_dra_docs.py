@@ -52,7 +52,7 @@ def test_every_published_name_is_documented(fake_machine_factory):
 
 
 def test_the_guide_lists_the_deploy_files():
-    listed = set(re.findall(r"^\| `((?:examples/)?[\w.-]+\.yaml)` \|", GUIDE.read_text(), re.M))
+    listed = set(re.findall(r"^\| `((?:[\w.-]+/)*[\w.-]+\.yaml)` \|", GUIDE.read_text(), re.M))
     present = {str(p.relative_to(DEPLOY)) for p in DEPLOY.rglob("*.yaml")}
     assert listed == present
     assert "(kubernetes-dra-node.md)" in GUIDE.read_text()

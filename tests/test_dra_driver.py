@@ -77,12 +77,14 @@ def driver(machine, node: Node, server: FakeApiServer, *, env=None):
         assert code == 0, err
 
 
-def put(server: FakeApiServer, name: str, devices, *, configs=(), request="gpu", pool=NODE) -> tuple[str, str, str]:
+def put(server: FakeApiServer, name: str, devices, *, configs=(), request="gpu", pool=NODE,
+        admin=False) -> tuple[str, str, str]:
+    extra = {"adminAccess": True} if admin else {}
     claim = server.put_claim({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"namespace": "default", "name": name, "uid": f"0000-{name}"},
         "status": {"allocation": {"devices": {
-            "results": [{"request": request, "driver": DRIVER, "pool": pool, "device": d} for d in devices],
+            "results": [{"request": request, "driver": DRIVER, "pool": pool, "device": d, **extra} for d in devices],
             "config": list(configs)}}}})
     return "default", name, claim["metadata"]["uid"]
 
@@ -115,7 +117,7 @@ def test_prepare_and_unprepare_in_each_version(machine, tmp_path, server, versio
     node = Node(tmp_path)
     truth = machine.description()["gpus"]
     one = put(server, "one", ["gpu-1"])
-    both = put(server, "both", ["gpu-0", "gpu-1"])
+    both = put(server, "both", ["gpu-0", "gpu-1"], admin=True)        # may share gpu-1 with "one"
     with driver(machine, node, server) as (kubelet, _):
         got = kubelet.prepare(one, both, version=version)
         assert got[one[2]] == ("", [("gpu-1", [f"k8s.gpu.nvidia.com/claim={one[2]}-gpu-1"])])
@@ -362,3 +364,38 @@ def test_an_mps_claim_s_daemon_outlives_a_plugin_restart_and_goes_with_unprepare
         for pid in started():
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def host_paths(spec: dict) -> list[str]:
+    every = [spec.get("containerEdits", {}), *(d["containerEdits"] for d in spec["devices"])]
+    return ([m["hostPath"] for e in every for m in e.get("mounts", ())]
+            + [n.get("hostPath", n["path"]) for e in every for n in e.get("deviceNodes", ())]
+            + [h["path"] for e in every for h in e.get("hooks", ())])
+
+
+@pytest.mark.parametrize("env", [{"NVIDIA_DRIVER_ROOT": "/"}, {"HOST_DRIVER_ROOT": "/"}, {}])
+def test_nvidia_s_driver_root_variables_give_specs_of_host_paths(machine, tmp_path, server, env):
+    """NVIDIA's chart: the host's / mounted at DRIVER_ROOT_CTR_PATH, NVIDIA_DRIVER_ROOT the host's
+    path (default /). The spec names what the host has, never where the plugin reads it."""
+    node = Node(tmp_path, hook="/usr/bin/nvcontainer-hook")
+    claim = put(server, "rooted", ["gpu-0"])
+    with driver(machine, node, server, env={**env, "DRIVER_ROOT_CTR_PATH": str(machine.root)}) as (kubelet, _):
+        assert kubelet.prepare(claim)[claim[2]][0] == ""
+        spec = store.read_spec(str(node.cdi / claimspec.file_name(claim[2]))).spec
+    paths = host_paths(spec)
+    assert any("libcuda.so" in p for p in paths) and any(p.startswith("/dev/nvidia") for p in paths)
+    assert not [p for p in paths if p.startswith(str(machine.root))]
+    # each names the host's file: under the host's / (the fake machine's root) it is there
+    assert not [p for p in paths if p != node.hook and not os.path.lexists(str(machine.root) + p)]
+
+
+def test_a_host_driver_root_elsewhere_is_named_in_the_spec(machine, tmp_path, server):
+    """The GPU Operator's driver container: /run/nvidia/driver on the host, mounted here."""
+    node = Node(tmp_path)
+    claim = put(server, "operator", ["gpu-1"])
+    env = {"NVIDIA_DRIVER_ROOT": "/run/nvidia/driver", "DRIVER_ROOT_CTR_PATH": str(machine.root)}
+    with driver(machine, node, server, env=env) as (kubelet, _):
+        assert kubelet.prepare(claim)[claim[2]][0] == ""
+        spec = store.read_spec(str(node.cdi / claimspec.file_name(claim[2]))).spec
+    mounts = [m["hostPath"] for m in spec["containerEdits"]["mounts"]]
+    assert mounts and all(m.startswith("/run/nvidia/driver/") for m in mounts), mounts

@@ -123,7 +123,7 @@ def test_prepare_is_idempotent_and_survives_a_restart(inv, dirs):
 
 def test_unprepare_removes_exactly_what_prepare_made(inv, dirs):
     source = Claims()
-    a, b = source.put(UID1, ["gpu-0"], name="a"), source.put(UID2, ["gpu-0"], name="b")   # a shared GPU
+    a, b = source.put(UID1, ["gpu-0"], name="a"), put_admin(source, UID2, ["gpu-0"], "b")   # a shared GPU
     p = preparer(inv, dirs, source)
     os.makedirs(dirs[0])
     open(os.path.join(dirs[0], "nvidia.yaml"), "w").write("not ours\n")
@@ -235,7 +235,7 @@ def test_time_slices_are_set_and_reset_by_the_last_claim(inv, dirs):
     smi = os.path.join(inv.root, next(b.path for b in inv.binaries if b.name == "nvidia-smi").lstrip("/"))
     g0, g1 = inv.gpus[0].uuid, inv.gpus[1].uuid
     a = source.put(UID1, ["gpu-0", "gpu-1"], name="a", configs=[time_slicing("Long")])
-    b = source.put(UID2, ["gpu-1"], name="b", configs=[time_slicing("Short")])
+    b = put_admin(source, UID2, ["gpu-1"], "b", configs=[time_slicing("Short")])
     asyncio.run(p.prepare(*a))
     asyncio.run(p.prepare(*b))
     assert calls == [[smi, "compute-policy", "-i", g0, "--set-timeslice=3"],
@@ -335,3 +335,95 @@ def test_an_mps_daemon_that_does_not_start_fails_the_prepare_with_nothing_left(m
     assert "\n" not in str(err.value)
     assert p.claims == {} and not os.path.exists(os.path.join(dirs[0]))       # no spec
     assert sorted(os.listdir(dirs[1])) == []           # no daemon directory, no checkpoint written
+
+
+def put_admin(source: Claims, uid: str, devices, name: str, configs=()) -> tuple[str, str, str]:
+    claim = source.put(uid, devices, name=name, configs=configs)
+    for result in source.objects[(claim[0], claim[1])]["status"]["allocation"]["devices"]["results"]:
+        result["adminAccess"] = True
+    return claim
+
+
+UID3 = "3f1c8f36-0000-4000-8000-000000000003"
+
+
+def test_a_gpu_prepared_for_one_claim_is_refused_to_a_second(inv, dirs):
+    source = Claims()
+    first = source.put(UID1, ["gpu-0"], name="first")
+    second = source.put(UID2, ["gpu-1", "gpu-0"], name="second")
+    p = preparer(inv, dirs, source)
+    asyncio.run(p.prepare(*first))
+    with pytest.raises(NvcError, match=r"claim ns/second: device gpu-0 \(GPU-[0-9a-f-]+\) is prepared for claim "
+                                       r"ns/first \(gpu-0\); a device serves one claim at a time"):
+        asyncio.run(p.prepare(*second))
+    assert os.listdir(dirs[0]) == [claimspec.file_name(UID1)]            # nothing written for it
+    # admin access (monitoring) may share it
+    assert asyncio.run(p.prepare(*put_admin(source, UID3, ["gpu-0"], "watch")))[0]["adminAccess"] is True
+    # after a plugin restart the checkpoint still holds it
+    again = preparer(inv, dirs, source)
+    with pytest.raises(NvcError, match="is prepared for claim ns/first"):
+        asyncio.run(again.prepare(*second))
+    asyncio.run(again.unprepare(*first))
+    assert [d["device"] for d in asyncio.run(again.prepare(*second))] == ["gpu-1", "gpu-0"]
+
+
+def test_a_mig_device_and_its_gpu_overlap(fake_machine_factory, dirs):
+    machine = fake_machine_factory(MIG2)
+    inv = build(str(machine.root), proc=str(machine.proc))
+    table = table_of(inv)
+    mig = next(n for n in table if "-mig-" in n)
+    source = Claims()
+    p = Preparer(inv, {**table, "whole": (table[mig][0], None)}, NODE, dirs[0], dirs[1],
+                 generate.Options(hook_path=HOOK), source.get, [].append)
+    asyncio.run(p.prepare(*source.put(UID1, [mig], name="part")))
+    with pytest.raises(NvcError, match=f"device whole .* is prepared for claim ns/part \\({mig}\\)"):
+        asyncio.run(p.prepare(*source.put(UID2, ["whole"], name="all")))
+
+
+def test_a_prepare_racing_the_unprepare_of_the_same_gpu_is_refused_until_it_ends(inv, dirs):
+    source = Claims()
+    first = source.put(UID1, ["gpu-0"], name="first")
+    second = source.put(UID2, ["gpu-0"], name="second")
+    p = preparer(inv, dirs, source)
+    asyncio.run(p.prepare(*first))
+    stopping, go = threading.Event(), threading.Event()
+
+    def slow_stop(entry):             # the first claim's unprepare, stopping its daemon
+        stopping.set()
+        go.wait(10)
+
+    p._mps_stop = slow_stop
+
+    async def race():
+        unprepare = asyncio.create_task(p.unprepare(*first))
+        await asyncio.to_thread(stopping.wait, 10)
+        with pytest.raises(NvcError, match="is prepared for claim ns/first"):
+            await p.prepare(*second)
+        go.set()
+        await unprepare
+        return await p.prepare(*second)
+
+    assert [d["device"] for d in asyncio.run(race())] == ["gpu-0"]
+
+
+def test_a_daemon_directory_planted_as_a_link_to_another_daemon_s_is_never_followed(machine, inv, tmp_path,
+                                                                                   fresh_record):
+    """Issue 35: a GPU's (or claim's) MPS directory replaced by a link to another daemon's: the
+    other daemon is never told to quit through it, and keeps running."""
+    from nvcontainer.kubelet import mpscontrol
+
+    binary = mpscontrol.control_binary(inv)
+    other = mpscontrol.Control("other", str(tmp_path / "other"), inv.gpus[1].uuid, binary, 10)
+    assert other.start(()) == ""
+    [pid] = daemons(machine)
+    planted = tmp_path / "planted"
+    planted.symlink_to(tmp_path / "other")
+    mine = mpscontrol.Control("mine", str(planted), inv.gpus[0].uuid, binary, 10)
+    assert mine.answers()
+    assert mine.stop() == "" and not planted.exists()
+    planted.symlink_to(tmp_path / "other")
+    assert mine.start(()) == ""                      # a fresh daemon of its own, in a real directory
+    assert not planted.is_symlink() and len(daemons(machine)) == 2
+    assert told(machine, pid) == [] and other.answers() == ""
+    assert "quit" not in told(machine, pid) and [k for k, p, _ in record(machine) if p == pid and k == "quit"] == []
+    assert mine.stop() == "" and other.stop() == ""

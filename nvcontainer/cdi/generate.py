@@ -65,6 +65,7 @@ class Options:
     ldconfig: str = "/sbin/ldconfig"
     allow: object = None   # selection.AllowList: the node's allowed-devices (None: every device)
     deadline: float = 20.0   # the configuration's deadline: each hook's timeout is this plus TIMEOUT_MARGIN
+    host_root: str | None = None   # the driver root as the host's runtime sees it (None: as we read it)
 
 
 def generate(inv: Inventory, opts: Options) -> Spec:
@@ -116,7 +117,34 @@ def generate(inv: Inventory, opts: Options) -> Spec:
         mounts=tuple(mounts.values()),
         hooks=hooks,
     )
-    return Spec(kind=kind, devices=tuple(devices), edits=edits)
+    spec = Spec(kind=kind, devices=tuple(devices), edits=edits)
+    return spec if opts.host_root is None else to_host(spec, inv.root, opts.host_root)
+
+
+def host_path(path: str, view_root: str, host_root: str) -> str:
+    """``path`` as read here (under ``view_root``, where the driver root is mounted in our pod)
+    named as the host has it (under ``host_root``); a path outside ``view_root`` is the host's."""
+    view, host = view_root.rstrip("/"), host_root.rstrip("/")
+    if view and (path == view or path.startswith(view + "/")):
+        return (host + path[len(view):]) or "/"
+    return path
+
+
+def to_host(spec: Spec, view_root: str, host_root: str) -> Spec:
+    """Every host-side path of ``spec`` (mount sources, device nodes' host paths) named as the
+    host's runtime sees it. Why: a plugin in a pod reads the driver where its DaemonSet mounts
+    it (``/driver-root``), but the spec is read by the node's runtime, for which only the host's
+    own paths exist (NVIDIA's ``--nvidia-driver-root`` / ``--container-driver-root`` split)."""
+    def edits(e: Edits) -> Edits:
+        nodes = tuple(replace(n, host_path=host_path(n.host_path, view_root, host_root)) if n.host_path else n
+                      for n in e.device_nodes)
+        mounts = tuple(replace(m, host_path=host_path(m.host_path, view_root, host_root)) for m in e.mounts)
+        return replace(e, device_nodes=nodes, mounts=mounts)
+
+    if view_root.rstrip("/") == host_root.rstrip("/"):
+        return spec
+    return replace(spec, edits=edits(spec.edits),
+                   devices=tuple(replace(d, edits=edits(d.edits)) for d in spec.devices))
 
 
 def hook_timeout(opts: Options) -> int:

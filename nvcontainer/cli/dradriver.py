@@ -16,8 +16,12 @@ from .context import Context
 @click.option("--node-name", envvar="NODE_NAME", metavar="NAME", help="This node's name: its devices' pool. [env NODE_NAME]")
 @click.option("--cdi-root", envvar="CDI_ROOT", metavar="DIR", default="/var/run/cdi", show_default=True,
               help="Where each prepared claim's CDI spec is written. [env CDI_ROOT]")
-@click.option("--nvidia-driver-root", envvar="NVIDIA_DRIVER_ROOT", metavar="DIR",
-              help="The driver's root, as the global --root. [env NVIDIA_DRIVER_ROOT; default: /]")
+@click.option("--nvidia-driver-root", envvar=["NVIDIA_DRIVER_ROOT", "HOST_DRIVER_ROOT"], metavar="DIR",
+              help="The driver's root as the HOST has it: what the claims' CDI specs name. "
+                   "[env NVIDIA_DRIVER_ROOT, HOST_DRIVER_ROOT; default: /]")
+@click.option("--container-driver-root", envvar="DRIVER_ROOT_CTR_PATH", metavar="DIR",
+              help="Where the driver root is mounted in this container: where it is read. "
+                   "[env DRIVER_ROOT_CTR_PATH; default: /driver-root when it exists, else the driver root]")
 @click.option("--kubelet-registrar-directory-path", "registrar", envvar="KUBELET_REGISTRAR_DIRECTORY_PATH",
               metavar="DIR", default="/var/lib/kubelet/plugins_registry", show_default=True,
               help="The kubelet's plugin watcher directory. [env KUBELET_REGISTRAR_DIRECTORY_PATH]")
@@ -32,7 +36,7 @@ from .context import Context
 @click.option("--remove-slices", is_flag=True, help="Delete this node's gpu.nvidia.com ResourceSlices and exit (uninstall).")
 @click.option("--sysfs", metavar="DIR", default="/sys", hidden=True, help="Where the GPUs' PCI roots are read (tests).")
 @click.pass_obj
-def dra_driver(obj: Context, node_name, cdi_root, nvidia_driver_root, registrar, plugins, kubeconfig, hook_path,
+def dra_driver(obj: Context, node_name, cdi_root, nvidia_driver_root, container_driver_root, registrar, plugins, kubeconfig, hook_path,
                taint_unhealthy, remove_slices, sysfs) -> None:
     """Serve the kubelet's DRA plugin API (gpu.nvidia.com) for this node's GPUs."""
     import sys
@@ -42,6 +46,10 @@ def dra_driver(obj: Context, node_name, cdi_root, nvidia_driver_root, registrar,
     if remove_slices:
         sys.stdout.write(command.remove_slices(kubeconfig, node_name or "") + "\n")
         return
-    config = obj.config.with_overrides(root=nvidia_driver_root) if nvidia_driver_root else obj.config
+    from ..dra.driverroot import roots
+
+    view, host = roots(nvidia_driver_root, container_driver_root, obj.config.root)
+    config = obj.config.with_overrides(root=view)
     command.run(config, node_name=node_name or "", cdi_root=cdi_root, registrar_dir=registrar, plugins_dir=plugins,
+                host_root=host,
                 kubeconfig=kubeconfig, hook_path=hook_path, taint=taint_unhealthy, sysfs=sysfs)

@@ -33,6 +33,7 @@ MAX_BYTES = 8 << 20
 MAX_CLAIMS = 4096
 ENTRY_KEYS = {"namespace", "name", "uid", "devices", "spec"}
 DEVICE_KEYS = {"request", "pool", "device", "uuid", "cdi", "sharing", "shareID"}
+OPTIONAL_DEVICE_KEYS = {"adminAccess"}      # only when true: older checkpoints read the same
 
 
 def load(directory: str, cdi_root: str, warn) -> dict[str, dict]:
@@ -105,7 +106,8 @@ def check_entry(uid, entry) -> str | None:
     if not isinstance(devices, list) or len(devices) > 256:
         return "devices: not a list"
     for device in devices:
-        if not isinstance(device, dict) or set(device) != DEVICE_KEYS:
+        if not isinstance(device, dict) or set(device) - OPTIONAL_DEVICE_KEYS != DEVICE_KEYS \
+                or device.get("adminAccess", True) is not True:
             return "a device record of another shape"
         if not isinstance(device["cdi"], list) or not all(isinstance(n, str) for n in device["cdi"]):
             return "a device's CDI names are not text"

@@ -31,6 +31,7 @@ class Unit:
     mig: object = None                # inventory MigDevice, or None for a whole GPU
     sharing: opaque.Sharing = opaque.Sharing()
     share_id: str = ""                # the result's shareID (a consumable-capacity share), if any
+    admin: bool = False               # allocated with adminAccess (may share a device another claim holds)
 
     @property
     def uuid(self) -> str:
@@ -100,7 +101,8 @@ def resolve(claim: dict, namespace: str, name: str, uid: str, node: str, table: 
         except NvcError as exc:
             raise NvcError("input", f"claim {label}: {exc.detail}") from None
         share = result.get("shareID") or ""
-        units.append(Unit(request, device, gpu, mig, sharing, share if isinstance(share, str) else ""))
+        units.append(Unit(request, device, gpu, mig, sharing, share if isinstance(share, str) else "",
+                          result.get("adminAccess") is True))
     uuids = [u.uuid for u in units]
     for unit in units:
         try:

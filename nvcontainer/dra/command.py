@@ -25,7 +25,7 @@ def device_table(inv, allow) -> dict:
 
 
 def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_dir: str, kubeconfig: str | None,
-        hook_path: str | None = None, taint: bool = False, sysfs: str = "/sys") -> None:
+        hook_path: str | None = None, taint: bool = False, sysfs: str = "/sys", host_root: str | None = None) -> None:
     """Serve until SIGTERM/SIGINT: the kubelet side (:mod:`agent`) and the slice side
     (:mod:`keeper`) in one event loop, the slice side's health verdicts and new inventories
     handed to the preparer."""
@@ -46,8 +46,9 @@ def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_di
 
     table = device_table(inv, allow(inv))
     log.info(f"devices offered: {', '.join(table) or 'none'}")
-    opts = generate.Options(hook_path=hook_path or commands.default_hook_path(), ldconfig=config.ldconfig_program(),
-                            deadline=config.deadline)
+    host_root = host_root or config.root
+    opts = generate.Options(hook_path=hook_path or commands.default_hook_path(), ldconfig=_ldconfig(config, host_root),
+                            deadline=config.deadline, host_root=host_root)
     api = _api(kubeconfig)
 
     def get_claim(namespace: str, name: str, deadline: float) -> dict:
@@ -77,6 +78,20 @@ def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_di
         asyncio.run(main())
     finally:
         api.close()
+
+
+def _ldconfig(config, host_root: str) -> str:
+    """The host's ldconfig as its runtime will run it: ``/sbin/ldconfig.real`` where the host has
+    it, looked for where the host's / is visible to us (the driver root when it is the host's
+    /), never in this image's own filesystem."""
+    from ..config.model import host_ldconfig
+
+    if host_root == config.root:                   # run on the host: its own filesystem is ours
+        return config.ldconfig_program()
+    if host_root.rstrip("/") == "":
+        where = config.root.rstrip("/")
+        return host_ldconfig(config.ldconfig, lambda p: os.path.exists(where + p)).removeprefix("@")
+    return config.ldconfig.removeprefix("@")
 
 
 def remove_slices(kubeconfig: str | None, node_name: str) -> str:

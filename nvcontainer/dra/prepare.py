@@ -15,6 +15,11 @@ the kubelet's (the gRPC call's own deadline when it has one): a server that is d
 gives the claim an error naming it, in time for the kubelet to retry, never a prepare that
 blocks for ever.
 
+Why a device is held from prepare to the end of unprepare (:mod:`exclusive`): a second claim
+given a GPU another prepared claim holds (a force-deleted claim's pod still running) is refused
+with a line naming the holder, also while the holder's unprepare is still running and after a
+plugin restart (the checkpoint names what is held).
+
 Sharing settings are checked (:mod:`opaque`) and recorded with the claim; a time-slice interval
 is set on the claim's GPUs before its spec is written, and reset when the last claim that set
 it is unprepared (:mod:`sharing`). A claim that asks MPS gets its own MPS control daemon
@@ -36,7 +41,7 @@ from ..cdi import generate, store
 from .. import log
 from ..errors import NvcError, escape
 from ..kubelet import mpscontrol
-from . import checkpoint, claims, claimspec, mpsclaim, sharing
+from . import checkpoint, claims, claimspec, exclusive, mpsclaim, sharing
 
 KUBELET_TIMEOUT = 45.0      # the kubelet's default for a DRA call
 MARGIN = 2.0                # answered this long before the caller's deadline
@@ -64,6 +69,7 @@ class Preparer:
         self.run = run or sharing.run            # one nvidia-smi call (the tests record them)
         self.mps_deadline = MPS_DEADLINE
         self.locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self.busy: dict[str, dict] = {}          # UID → entry of a prepare in progress (its devices held)
         self.saving = asyncio.Lock()
         os.makedirs(state_dir, mode=0o700, exist_ok=True)
         self.claims = checkpoint.load(state_dir, cdi_root, say)
@@ -112,18 +118,25 @@ class Preparer:
                     raise NvcError("input", f"claim {label}: deleted (not found in the API server)") from None
                 raise
             resolved = claims.resolve(obj, namespace, name, uid, self.node, self.table, unhealthy=self.unhealthy())
-            entry = await asyncio.to_thread(self._write, resolved)
-            async with self.saving:
-                self.claims[uid] = entry
-                await asyncio.to_thread(checkpoint.save, self.state_dir, dict(self.claims))
+            entry = record(resolved)
+            # checked and taken with no await in between: the event loop runs one prepare at a time here
+            why = exclusive.conflict(entry["devices"], {**self.claims, **self.busy}, self._parents(), uid)
+            if why:
+                raise NvcError("input", f"claim {label}: {why}")
+            self.busy[uid] = entry
+            try:
+                await asyncio.to_thread(self._write, resolved, entry)
+                async with self.saving:
+                    self.claims[uid] = entry
+                    await asyncio.to_thread(checkpoint.save, self.state_dir, dict(self.claims))
+            finally:
+                del self.busy[uid]
             return entry["devices"]
 
-    def _write(self, claim: claims.Claim) -> dict:
-        devices = [{"request": u.request, "pool": claim.pool, "device": u.device, "uuid": u.uuid,
-                    "cdi": [claimspec.cdi_name(claim.uid, u.device)], "sharing": u.sharing.to_dict(),
-                    "shareID": u.share_id} for u in claim.units]
-        entry = {"namespace": claim.namespace, "name": claim.name, "uid": claim.uid, "devices": devices,
-                 "spec": claimspec.file_name(claim.uid)}
+    def _parents(self) -> dict[str, str]:
+        return {m.uuid: g.uuid for g in self.inv.gpus for m in g.migs}
+
+    def _write(self, claim: claims.Claim, entry: dict) -> None:
         plan = self._mps_start(entry)
         try:
             self._time_slices(sharing.wanted(claim.units), claim.label)
@@ -137,7 +150,6 @@ class Preparer:
             if plan is not None:
                 self._mps_stop(entry)
             raise
-        return entry
 
     def _mps_start(self, entry: dict):
         """The claim's MPS daemon running (kept when it answers), or None when it asks no MPS."""
@@ -211,3 +223,16 @@ class Preparer:
                 async with self.saving:
                     del self.claims[uid]
                     await asyncio.to_thread(checkpoint.save, self.state_dir, dict(self.claims))
+
+
+def record(claim: claims.Claim) -> dict:
+    """The checkpoint's entry of a resolved claim (what its spec's comment also carries)."""
+    devices = []
+    for u in claim.units:
+        device = {"request": u.request, "pool": claim.pool, "device": u.device, "uuid": u.uuid,
+                  "cdi": [claimspec.cdi_name(claim.uid, u.device)], "sharing": u.sharing.to_dict(), "shareID": u.share_id}
+        if u.admin:
+            device["adminAccess"] = True
+        devices.append(device)
+    return {"namespace": claim.namespace, "name": claim.name, "uid": claim.uid, "devices": devices,
+            "spec": claimspec.file_name(claim.uid)}

@@ -56,10 +56,14 @@ def control_binary(inv) -> str:
 
 
 def is_pipe(path: str) -> bool:
+    """Whether the daemon's control endpoint is there: a named pipe up to CUDA 12, a Unix socket
+    from CUDA 13 on (its log says "Starting control daemon using socket"; seen on a real H200,
+    docs/real-gpu.md). Checked with lstat: a symbolic link planted in its place is neither."""
     try:
-        return stat.S_ISFIFO(os.lstat(path).st_mode)
+        mode = os.lstat(path).st_mode
     except OSError:
         return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
 def daemon_env(directory: str, visible: str) -> dict[str, str]:
@@ -149,8 +153,27 @@ class Control(Paths):
                 return -1, escape(exc.strerror or str(exc))
             return proc.returncode, _first_line(out)
 
+    def ours(self) -> bool:
+        """Whether the directory and its ``pipe/`` are real directories of ours, not symbolic
+        links (lstat, component by component below our own state directory): a link planted in
+        their place would send what we tell this daemon (``quit``) to another one."""
+        for path in (self.directory, self.pipe):
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return False
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                return False
+        return True
+
+    def reachable(self) -> bool:
+        """The daemon's control endpoint is there, reached through our own directories only."""
+        return self.ours() and is_pipe(self.control)
+
     def tell(self, command: str) -> str:
-        """'' when the daemon took ``command``, else why not."""
+        """'' when the daemon took ``command``, else why not (never through a planted link)."""
+        if not self.ours():
+            return f"'{command}' not sent: {escape(self.directory)} is not a directory of ours (a link?)"
         rc, said = self._run([], command + "\n")
         log.info(f"{self.name}: {command!r} -> {rc} {said}")
         return "" if rc == 0 else f"'{command}' failed ({said})"
@@ -158,7 +181,7 @@ class Control(Paths):
     def start(self, commands) -> str:
         """A fresh daemon, told ``commands``; '' when it took them all, else why not. A daemon
         left in the directory by an earlier run is told to quit first, not left orphaned."""
-        if is_pipe(self.control):
+        if self.reachable():
             self.tell(QUIT)
         self.clear()
         owned_dir(self.directory)
@@ -180,13 +203,13 @@ class Control(Paths):
 
     def answers(self) -> str:
         """'' while the daemon's pipe is there and it answers a harmless question, else why not."""
-        if not is_pipe(self.control):
+        if not self.reachable():
             return "its control pipe was removed"
         return self.tell(PROBE)
 
     def stop(self) -> str:
         """Tell the daemon to quit and remove its directory; '' or why quitting failed."""
-        why = self.tell(QUIT) if is_pipe(self.control) else ""
+        why = self.tell(QUIT) if self.reachable() else ""
         self.clear()
         return why
 
