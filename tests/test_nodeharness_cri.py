@@ -18,7 +18,7 @@ from tests.fixtures.nodeharness import manifests
 from tests.fixtures.nodeharness.kubelets import device_kubelet
 from tests.fixtures.nodeharness.workload import PROBE, facts
 from tests.test_engines_setup import cri_node, node   # noqa: F401 (node: a fixture, on this module's machine)
-from tests.test_nodeharness_dra_demos import DEMOS, NEEDS_DRIVER_ROOT, _cluster, allocated, gpus_seen
+from tests.test_nodeharness_dra_demos import DEMOS, _cluster, allocated, gpus_seen
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,6 @@ def test_device_plugin_pod_through_the_cri(hnode, node, tmp_path):   # noqa: F81
         assert gpus_seen(hnode, text) == {index[device]}, context
 
 
-@NEEDS_DRIVER_ROOT
 def test_gpu_test1_through_the_cri(hnode, node, tmp_path):   # noqa: F811
     cluster, run = _cluster(hnode)
     try:

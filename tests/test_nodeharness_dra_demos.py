@@ -33,8 +33,6 @@ ARCHS = ("8.0", "8.0", "8.0", "8.6", "8.0", "7.5", "8.0", "8.6")
 EIGHT = FakeSpec(gpus=8, names=NAMES, archs=ARCHS)
 MIG = FakeSpec(gpus=4, names=(A100,) * 4, archs=("8.0",) * 4, mig=True, mig_gpus=4, mig_devices=4,
                mig_profiles=("1g.5gb", "1g.5gb", "2g.10gb", "3g.20gb"))
-NEEDS_DRIVER_ROOT = pytest.mark.xfail(strict=True, reason="needs dra32: the claim specs name /host/... (the "
-                                      "plugin's view of the driver root), not the node's paths")
 
 
 def _cluster(node):
@@ -104,7 +102,6 @@ def no_mps(text: str) -> None:
     assert not [e for e in facts(text).get("ENV", []) if e.startswith("CUDA_MPS_")], text
 
 
-@NEEDS_DRIVER_ROOT
 def test_gpu_test1_two_pods_two_gpus(demo):
     out = run_demo(demo, "gpu-test1")
     seen = [gpus_seen(demo.node, out[p]["ctr"][1]) for p in ("pod1", "pod2")]
@@ -112,7 +109,6 @@ def test_gpu_test1_two_pods_two_gpus(demo):
     assert seen == want and all(len(s) == 1 for s in seen) and seen[0] != seen[1], out
 
 
-@NEEDS_DRIVER_ROOT
 def test_gpu_test2_two_containers_share_the_pods_claim(demo):
     out = run_demo(demo, "gpu-test2")["pod"]
     want = allocated(demo, "gpu-test2", "pod-shared-gpu")
@@ -120,7 +116,6 @@ def test_gpu_test2_two_containers_share_the_pods_claim(demo):
     assert gpus_seen(demo.node, out["ctr0"][1]) == gpus_seen(demo.node, out["ctr1"][1]) == want, out
 
 
-@NEEDS_DRIVER_ROOT
 def test_gpu_test3_two_pods_share_one_claim(demo):
     out = run_demo(demo, "gpu-test3")
     want = allocated(demo, "gpu-test3", "single-gpu")
@@ -128,7 +123,6 @@ def test_gpu_test3_two_pods_share_one_claim(demo):
     assert [gpus_seen(demo.node, out[p]["ctr"][1]) for p in ("pod1", "pod2")] == [want, want], out
 
 
-@NEEDS_DRIVER_ROOT
 def test_gpu_test6_even_a100s_time_sliced(demo):
     out = run_demo(demo, "gpu-test6")
     seen = [gpus_seen(demo.node, out[f"pod-{i}"]["ctr"][1]) for i in range(4)]
@@ -148,8 +142,8 @@ def mps(*texts: str) -> None:
     assert all(shares_shm(a, b) for a, b in zip(texts, texts[1:])), texts
 
 
-@pytest.mark.xfail(strict=True, reason="needs dra32: driver root as a host path; one MPS daemon per config group, "
-                   "its edits on that group's devices only, its own /dev/shm")
+@pytest.mark.xfail(strict=True, reason="needs dra32: one MPS daemon per config group, its edits on that group's "
+                   "devices only (the time-sliced containers are MPS clients today), its own /dev/shm")
 def test_gpu_test5_time_sliced_and_mps_in_one_claim(demo):
     out = run_demo(demo, "gpu-test5")["pod0"]
     ts, mps_gpu = allocated(demo, "gpu-test5", "pod0-shared-gpus", "ts-gpu"), \
@@ -164,8 +158,7 @@ def test_gpu_test5_time_sliced_and_mps_in_one_claim(demo):
     assert not shares_shm(out["ts-ctr0"][1], out["ts-ctr1"][1])
 
 
-@pytest.mark.xfail(strict=True, reason="needs dra32: driver root as a host path; MPS clients get the daemon's "
-                   "own /dev/shm")
+@pytest.mark.xfail(strict=True, reason="needs dra32: MPS clients get no /dev/shm shared with their daemon")
 def test_gpu_test_mps_two_clients_of_one_daemon(demo):
     out = run_demo(demo, "gpu-test-mps")["test-pod"]
     want = allocated(demo, "gpu-test-mps", "test-pod-shared-gpu")
@@ -174,7 +167,6 @@ def test_gpu_test_mps_two_clients_of_one_daemon(demo):
     mps(out["mps-ctr0"][1], out["mps-ctr1"][1])
 
 
-@NEEDS_DRIVER_ROOT
 def test_gpu_test4_mig_devices_of_one_parent(harness_node_factory):
     node = harness_node_factory(MIG, api=True)
     cluster, run = _cluster(node)
@@ -197,11 +189,12 @@ def test_gpu_test4_mig_devices_of_one_parent(harness_node_factory):
         run.stop()
 
 
-def test_device_plugin_pod_gets_exactly_its_gpu(harness_node_factory):
-    """The device plugin's equivalent: the base kustomization's plugin from the image, a pod
-    asking nvidia.com/gpu: 1 under the nvidia runtime class, its container started from what
-    Allocate answered (the envvar strategy: the node's hook injects the GPU)."""
-    node = harness_node_factory(FakeSpec(gpus=2))
+def test_device_plugin_pod_gets_exactly_its_gpu(cluster):
+    """The device plugin's equivalent: the base kustomization's plugin from the image (on the
+    same node, beside the DRA driver), a pod asking nvidia.com/gpu: 1 under the nvidia runtime
+    class, its container started from what Allocate answered (the envvar strategy: the node's
+    hook injects the GPU)."""
+    node = cluster.node
     objects = manifests.render("base")
     run = node.run_pod(manifests.daemonsets(objects)["nvcontainer-device-plugin"], objects)
     kubelet = device_kubelet(node)
@@ -209,7 +202,7 @@ def test_device_plugin_pod_gets_exactly_its_gpu(harness_node_factory):
         (reg,) = kubelet.wait_registered(1, timeout=90)
         watch = Watch(kubelet.plugin(reg.endpoint))
         try:
-            devices = watch.until(lambda d: len(d) == 2, timeout=60)
+            devices = watch.until(lambda d: len(d) == node.spec.gpus, timeout=60)
         finally:
             watch.cancel()
         uuids = {g["uuid"]: g["index"] for g in node.machine.description()["gpus"]}
@@ -229,4 +222,33 @@ def test_device_plugin_pod_gets_exactly_its_gpu(harness_node_factory):
             assert gpus_seen(node, text) == {uuids[device]}, text
     finally:
         kubelet.stop()
+        assert set(run.stop().values()) == {0}, run.log()
+
+
+def test_a_spec_naming_the_plugins_own_view_is_caught(harness_node_factory):
+    """The harness's own guard, as it caught the shipped DaemonSet's /host driver root: the DRA
+    DaemonSet told that the host's driver root is where the pod mounts it (NVIDIA_DRIVER_ROOT
+    set to the container's path) writes claim specs naming /driver-root/..., which the node does
+    not have; the pod's containers never start."""
+    node = harness_node_factory(FakeSpec(gpus=2), api=True)
+    objects = manifests.render("dra")
+    (ctr,) = manifests.daemonsets(objects)["nvcontainer-dra-driver"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in ctr["env"]}
+    env["NVIDIA_DRIVER_ROOT"]["value"] = env["DRIVER_ROOT_CTR_PATH"]["value"]
+    run = node.run_pod(manifests.daemonsets(objects)["nvcontainer-dra-driver"], objects)
+    kubelet = NodeDraKubelet(node, timeout=60)
+    try:
+        kubelet.wait_registered(90)
+        run.wait_for("registered with the kubelet")
+        end = time.monotonic() + 60
+        while not node.api.node_slices(node.name):
+            assert time.monotonic() < end, run.log()
+            time.sleep(0.2)
+        cluster = Cluster(node, manifests.of_kind(objects, "DeviceClass"), kubelet)
+        (pod, _) = cluster.apply(manifests.load(DEMOS / "gpu-test1.yaml"))
+        with pytest.raises(AssertionError, match=r"host paths the node does not have: .*: /driver-root/"):
+            cluster.prepare(pod)
+        cluster.release()
+    finally:
+        kubelet.close()
         assert set(run.stop().values()) == {0}, run.log()
