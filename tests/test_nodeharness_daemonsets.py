@@ -173,3 +173,25 @@ def test_a_node_the_pod_does_not_select_keeps_it_off():
     facts = podspec.NodeFacts("node-a", {}, service_accounts={("n", "default"): False})
     with pytest.raises(podspec.NotSchedulable, match="nvidia.com/gpu.present"):
         podspec.from_daemonset(_daemonset({}, nodeSelector={"nvidia.com/gpu.present": "true"}), facts)
+
+
+SEES = r"""
+for p in /host/var/lib/kubelet/device-plugins /host/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 /host/dev/nvidia0 \
+         "/host$1" "$1" /etc/debian_version; do
+    if [ -e "$p" ]; then echo "SEES:$p"; fi
+done
+"""
+
+
+def test_a_pod_sees_the_node_root_and_nothing_else_of_the_host(node):
+    """A pod from the image with the node's / as a hostPath at /host: it finds the node's
+    kubelet directory and the fake machine's driver files there, and neither there nor in its
+    own filesystem anything of the test host's (this repository)."""
+    ds = _daemonset({"command": ["sh", "-c", SEES, "sh", str(manifests.REPO)],
+                     "volumeMounts": [{"name": "host", "mountPath": "/host"}]},
+                    volumes=[{"name": "host", "hostPath": {"path": "/"}}], automountServiceAccountToken=False)
+    run = node.run_pod(ds, [])
+    assert run.wait() == {"c": 0}, run.log()
+    seen = {line.removeprefix("SEES:") for line in run.log().splitlines() if line.startswith("SEES:")}
+    assert seen == {"/host/var/lib/kubelet/device-plugins", "/host/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+                    "/host/dev/nvidia0", "/etc/debian_version"}, run.log()
