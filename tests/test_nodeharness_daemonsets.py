@@ -91,7 +91,8 @@ def _labeller(node, run, objects):
     text = path.read_text()
     labels = dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
     names = [g["name"] for g in node.machine.description()["gpus"]]
-    product = next(n for n in names if labels["nvidia.com/gpu.product"] in (n.replace(" ", "-"), n.replace(" ", "-") + "-SHARED"))
+    product = next(n for n in names
+                   if labels["nvidia.com/gpu.product"] in (n.replace(" ", "-"), n.replace(" ", "-") + "-SHARED"))
     assert labels["nvidia.com/gpu.count"] == str(names.count(product)), text
 
 
@@ -154,7 +155,8 @@ def _daemonset(container: dict, **spec) -> dict:
     ({"ports": [{"containerPort": 80}]}, {}, "spec.template.spec.containers[0].ports"),
     ({"livenessProbe": {}}, {}, "spec.template.spec.containers[0].livenessProbe"),
     ({"envFrom": []}, {}, "spec.template.spec.containers[0].envFrom"),
-    ({"securityContext": {"seLinuxOptions": {}}}, {}, "spec.template.spec.containers[0].securityContext.seLinuxOptions"),
+    ({"securityContext": {"seLinuxOptions": {}}}, {},
+     "spec.template.spec.containers[0].securityContext.seLinuxOptions"),
     ({"volumeMounts": [{"name": "v", "mountPath": "/x", "subPath": "a"}]},
      {"volumes": [{"name": "v", "emptyDir": {}}]}, "spec.template.spec.containers[0].volumeMounts[0].subPath"),
     ({}, {"volumes": [{"name": "v", "secret": {"secretName": "s"}}]}, "spec.template.spec.volumes[0].secret"),

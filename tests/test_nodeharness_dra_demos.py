@@ -174,13 +174,14 @@ def test_gpu_test4_mig_devices_of_one_parent(harness_node_factory):
         out = run_demo(cluster, "gpu-test4")
         parents = []
         for i in range(4):
-            results = cluster.claims[("gpu-test4", f"pod-{i}-mig-devices")]["status"]["allocation"]["devices"]["results"]
+            claim = cluster.claims[("gpu-test4", f"pod-{i}-mig-devices")]
+            results = claim["status"]["allocation"]["devices"]["results"]
             assert len(results) == 4
             seen = [gpus_seen(node, out[f"pod-{i}"][f"ctr{j}"][1]) for j in range(4)]
             assert all(len(s) == 1 for s in seen) and len(set(map(frozenset, seen))) == 1, out   # one parent
             caps = [frozenset(d for d in facts(out[f"pod-{i}"][f"ctr{j}"][1]).get("DEV", []) if "caps" in d)
                     for j in range(4)]
-            assert len(set(caps)) == 4, (caps, out[f"pod-{i}"])        # each container its own MIG device's access nodes
+            assert len(set(caps)) == 4, (caps, out[f"pod-{i}"])   # each container its MIG device's access nodes
             parents.append(seen[0])
         assert len(set(map(frozenset, parents))) == 4   # four claims, four parents
     finally:

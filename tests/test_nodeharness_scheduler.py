@@ -67,7 +67,8 @@ def test_match_attribute_keeps_the_devices_on_one_parent(classes):
     pool = slices(mig(0, 1, "1g.5gb"), mig(0, 2, "2g.10gb"), mig(1, 1, "1g.5gb"), mig(1, 2, "1g.5gb"),
                   mig(1, 3, "2g.10gb"))
     sel = "device.attributes['gpu.nvidia.com'].profile == '{}'"
-    c = claim(request("a", "mig.nvidia.com", sel.format("1g.5gb")), request("b", "mig.nvidia.com", sel.format("1g.5gb")),
+    c = claim(request("a", "mig.nvidia.com", sel.format("1g.5gb")),
+              request("b", "mig.nvidia.com", sel.format("1g.5gb")),
               request("c", "mig.nvidia.com", sel.format("2g.10gb")),
               constraints=[{"requests": [], "matchAttribute": "gpu.nvidia.com/parentUUID"}])
     assert picked(scheduler.allocate(c, classes, pool, set())) == ["gpu-1-mig-1", "gpu-1-mig-2", "gpu-1-mig-3"]
