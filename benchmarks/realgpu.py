@@ -47,7 +47,7 @@ import time
 import uuid
 from pathlib import Path
 
-from . import nvidia, realgpu_k8s as k8s, stats, targets
+from . import nvidia, realgpu_installer, realgpu_k8s as k8s, stats, targets
 
 HOOK_ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
 GPU_ENV = ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
@@ -716,7 +716,7 @@ def main() -> int:
     parser.add_argument("--at-once", type=int, default=32, help="starts spawned together (concurrent step)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the concurrent step")
     parser.add_argument("--only", default="facts,parity,extras,deviceplugin,configure,runc,timing,concurrent,"
-                                          "profile,shim,mps,dra,ps", help="the steps to run, comma-separated (default: %(default)s)")
+                                          "profile,shim,mps,dra,ps,installer", help="the steps to run, comma-separated (default: %(default)s)")
     args = parser.parse_args()
     node = Node(args)
     parts = args.only.split(",")
@@ -737,7 +737,7 @@ def main() -> int:
                     steps[name]()
                 except Exception as exc:  # one broken step must not lose the others' record
                     node.say(f"!! step {name} failed: {type(exc).__name__}: {exc}")
-        if {"configure", "runc", "timing", "concurrent", "profile", "shim", "mps", "dra", "ps"} & set(parts):
+        if {"configure", "runc", "timing", "concurrent", "profile", "shim", "mps", "dra", "ps", "installer"} & set(parts):
             template = node.build_rootfs()
             node.base_spec = node.spec()
             node.start_server()
@@ -751,7 +751,8 @@ def main() -> int:
                                ("shim", lambda: node.shim(template)),
                                ("mps", lambda: k8s.mps(node, template)),
                                ("dra", lambda: k8s.dra(node, template)),
-                               ("ps", lambda: k8s.ps(node, template))):
+                               ("ps", lambda: k8s.ps(node, template)),
+                               ("installer", lambda: realgpu_installer.installer(node, template))):
                 if name in parts:
                     try:
                         step()

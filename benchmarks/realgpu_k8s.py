@@ -206,15 +206,11 @@ def mps(node, template: Path) -> None:
                                                                for m in response.mounts]}
     node.say(f"allocate (the plugin's code): {out['allocation']}")
     nvc = [str(node.ours), "--config", str(config)]
-    shm = sh([*nvc, "mps-daemon", "--mount-shm"], timeout=60)
-    node.block("mps-daemon --mount-shm", shm)
-    node.undo.append(lambda: (sh(["umount", "-l", str(root / mps_module.SHM)]), shutil.rmtree(root, True)))
-    # the daemon's /dev/shm is <mps-root>/shm, as the DaemonSet mounts it
+    node.undo.append(lambda: shutil.rmtree(root, True))
+    # each GPU's daemon gets its own /dev/shm (<dir>/shm, bound in its own mount namespace)
     debug, stderr = node.work / "mps-debug.log", open(node.work / "mps.stderr", "wb")
-    script = 'mount --bind "$1" /dev/shm && shift && exec "$@"'
-    daemon = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
-                               str(root / mps_module.SHM), *nvc, "--debug", str(debug), "mps-daemon", "--interval",
-                               "1"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, cwd="/")
+    daemon = subprocess.Popen([*nvc, "--debug", str(debug), "mps-daemon", "--interval", "1"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, cwd="/")
     node.undo.append(lambda: _stop(daemon))
     try:
         end = time.monotonic() + WAIT
@@ -340,6 +336,8 @@ def dra(node, template: Path) -> None:
         out["unprepare"] = kubelet.unprepare(ref)
         out["cdi_left"] = os.listdir(dirs["cdi"])
         node.say(f"unprepare: {out['unprepare']}; CDI specs left: {out['cdi_left'] or 'none'}")
+        gpus = [d["name"] for d in built[0]["spec"]["devices"] if d["attributes"]["type"]["string"] == "gpu"]
+        out["mps"] = dra_mps(node, template, server, kubelet, dirs, gpus, inv)
     finally:
         kubelet.close()
         out["exit"] = _stop(plugin)
@@ -348,6 +346,85 @@ def dra(node, template: Path) -> None:
         out["debug"] = _tail(debug)
         node.say(f"dra-driver exit {out['exit']}\n{out['stderr'].strip()}")
         node.report["dra"] = out
+
+
+DRA_MPS = {"defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "4Gi"}
+DRA_CLIENT = "env | grep ^CUDA_MPS_ | sort | tr '\\n' ' '; echo; /cudatest 10"
+
+
+def dra_mps_claim(gpus: list[str]) -> dict:
+    """NVIDIA's MPS demo in one claim: request ``mps-gpu`` under an MPS config (two clients);
+    with a second GPU, NVIDIA's gpu-test5 too: request ``ts-gpu`` time-sliced, in the same claim."""
+    from nvcontainer.dra import slices
+
+    def config(request, sharing):
+        return {"source": "FromClaim", "requests": [request], "opaque": {"driver": slices.DRIVER, "parameters": {
+            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": sharing}}}
+
+    results = [{"request": "mps-gpu", "driver": slices.DRIVER, "pool": NODE_NAME, "device": gpus[0]}]
+    configs = [config("mps-gpu", {"strategy": "MPS", "mpsConfig": DRA_MPS})]
+    if len(gpus) > 1:
+        results.append({"request": "ts-gpu", "driver": slices.DRIVER, "pool": NODE_NAME, "device": gpus[1]})
+        configs.append(config("ts-gpu", {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}))
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"namespace": "default", "name": "realgpu-mps", "uid": "0000-realgpu-mps"},
+            "status": {"allocation": {"devices": {"results": results, "config": configs}}}}
+
+
+def dra_mps(node, template: Path, server, kubelet, dirs: dict, gpus: list[str], inv) -> dict:
+    """Two CUDA clients of the claim's MPS GPU at once, under its limits (the daemon lists both);
+    with a second GPU, a container of the claim's time-sliced GPU, which is no MPS client."""
+    from .realgpu import sh
+
+    out: dict = {"compute_mode_before": _compute_mode()}
+    claim = server.put_claim(dra_mps_claim(gpus))
+    ref = ("default", "realgpu-mps", claim["metadata"]["uid"])
+    error, devices = kubelet.prepare(ref)[ref[2]]
+    out["prepare"] = [error, devices]
+    node.say(f"MPS claim prepare: {error or devices}")
+    if error:
+        return out
+    names = dict(devices)
+    spec_file = str(dirs["cdi"] / next(n for n in os.listdir(dirs["cdi"]) if ref[2] in n))
+    out["cdi_spec"] = Path(spec_file).read_text()
+    runs = [("mps-1", names[gpus[0]][0]), ("mps-2", names[gpus[0]][0])]
+    if len(gpus) > 1:
+        runs.append(("time-sliced", names[gpus[1]][0]))
+    procs = []
+    for label, cdi_name in runs:
+        bundle = node.bundle(template, [], [], ["/bin/sh", "-c", DRA_CLIENT])
+        spec = json.loads((bundle / "config.json").read_text())
+        (bundle / "config.json").write_text(json.dumps(with_cdi_device(spec, spec_file, cdi_name)))
+        node.undo.append(lambda name=bundle.name: sh([*node.runc, "delete", "-f", name], env=node.runc_env))
+        procs.append((label, bundle, subprocess.Popen(
+            [*node.runc, "run", *node.no_pivot, "--bundle", str(bundle), bundle.name], env=node.runc_env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    pipe = dirs["plugins"] / "gpu.nvidia.com" / "mps" / ref[2] / "config-0" / "pipe"
+    from nvcontainer.mps.control import control_binary
+    control = [control_binary(inv)]
+    out["servers_during"], out["clients_during"] = _clients(control, {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
+                                                            CLIENT_WAIT)
+    node.block("claim daemon: get_server_list (during)", out["servers_during"])
+    node.block("claim daemon: get_client_list (during)", out["clients_during"])
+    out["compute_mode_during"] = _compute_mode()
+    out["clients"] = {}
+    for label, bundle, proc in procs:
+        try:
+            stdout, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, err = proc.communicate()
+        result = {"argv": proc.args, "rc": proc.returncode, "ms": 0, "stdout": stdout.decode(errors="replace"),
+                  "stderr": err.decode(errors="replace")[-4000:]}
+        node.block(f"claim container {label}", result)
+        out["clients"][label] = result
+        sh([*node.runc, "delete", "-f", bundle.name], env=node.runc_env)
+        shutil.rmtree(bundle, ignore_errors=True)
+    out["unprepare"] = kubelet.unprepare(ref)
+    out["compute_mode_after"] = _compute_mode()
+    node.say(f"MPS claim: clients listed {out['clients_during']['stdout'].split()}; compute mode "
+             f"{out['compute_mode_before']!r} -> {out['compute_mode_during']!r} -> {out['compute_mode_after']!r}")
+    return out
 
 
 def ps(node, template: Path) -> None:

@@ -10,11 +10,12 @@ from hypothesis import given, settings as hsettings
 from hypothesis import strategies as st
 
 from nvcontainer.config import load as config
-from nvcontainer.deviceplugin import devices, health
+from nvcontainer.deviceplugin import devices
+from nvcontainer.health import rules as health
 from nvcontainer.deviceplugin.allocate import Refused, allocate
 from nvcontainer.deviceplugin.preferred import preferred
 from nvcontainer.deviceplugin.settings import Settings, parse
-from nvcontainer.deviceplugin.topology import from_report
+from nvcontainer.health.topology import from_report
 from nvcontainer.inventory.topology import Topology, sysfs_address
 from nvcontainer.errors import NvcError
 from nvcontainer.inventory.model import Gpu, Inventory, MigDevice

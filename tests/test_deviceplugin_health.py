@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from nvcontainer.deviceplugin import monitor as monitor_module
-from nvcontainer.deviceplugin.monitor import Monitor
+from nvcontainer.health import monitor as monitor_module
+from nvcontainer.health.monitor import Monitor
 from nvcontainer.deviceplugin.settings import Settings
 from nvcontainer.inventory.identity import overflow_ids
 from tests.fixtures.fakegpu import FakeSpec
@@ -44,7 +44,7 @@ class Watcher:
 
     def __init__(self, machine, interval=0.1, user=None):
         gpus = [g["uuid"] for g in machine.description()["gpus"]]
-        self.proc = subprocess.Popen([sys.executable, "-I", "-m", "nvcontainer.deviceplugin.watcher"],
+        self.proc = subprocess.Popen([sys.executable, "-I", "-m", "nvcontainer.health.watcher"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      env=monitor_module.WATCHER_ENV)
         request = {"library": str(machine.nvml_library), "gpus": gpus, "user": list(user or overflow_ids()),
@@ -147,7 +147,7 @@ def test_a_hung_driver_stops_the_beat_and_a_failing_one_ends_the_watcher(machine
 PARENT = r"""
 import json, subprocess, sys, time
 request = sys.argv[1]
-proc = subprocess.Popen([sys.executable, "-I", "-m", "nvcontainer.deviceplugin.watcher"], stdin=subprocess.PIPE,
+proc = subprocess.Popen([sys.executable, "-I", "-m", "nvcontainer.health.watcher"], stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE, env=json.loads(sys.argv[2]))
 proc.stdin.write(request.encode())
 proc.stdin.close()
@@ -183,7 +183,7 @@ def test_a_watcher_stuck_in_the_driver_dies_with_a_killed_plugin(machine8):
 
 
 def test_watcher_refuses_a_bad_request_with_one_line():
-    proc = subprocess.run([sys.executable, "-I", "-m", "nvcontainer.deviceplugin.watcher"], input=b"{nope",
+    proc = subprocess.run([sys.executable, "-I", "-m", "nvcontainer.health.watcher"], input=b"{nope",
                           capture_output=True, timeout=60, env=monitor_module.WATCHER_ENV)
     assert proc.returncode == 1 and proc.stderr == b""
     (line,) = proc.stdout.splitlines()
@@ -337,3 +337,26 @@ def test_a_gpu_lost_before_the_watcher_starts_is_lost_in_every_beat(machine8):
         assert w.next("beat")["lost"] == [uuids[4]]
     finally:
         w.close()
+
+
+def test_a_driver_without_the_event_api_is_reported_once(machine8):
+    set_driver_state(machine8, "no_events=1")
+    w = Watcher(machine8)
+    try:
+        assert w.next("no-events") == {"ev": "no-events", "why": "nvmlEventSetCreate: Not Supported"}
+    finally:
+        w.close()
+        set_driver_state(machine8)
+
+
+def test_no_event_api_keeps_every_device_with_health_checks_off(quick_backoff):
+    """NVIDIA's plugins: a driver whose NVML has no event API keeps its devices, unwatched; one
+    line, no retry, nothing withdrawn (before: every GPU unhealthy, retried for ever)."""
+    unmonitored = []
+    mon, published, said = run_monitor(['{"ev":"no-events","why":"nvmlEventSetCreate: Not Supported"}'], 1.0)
+    assert mon.starts == 1 and published == [{}]
+    assert said == ["health checks off: the driver's NVML has no event API (nvmlEventSetCreate: Not Supported); "
+                    "every device stays available, unmonitored"]
+    mon.on_unmonitored = unmonitored.append
+    asyncio.run(mon.run())             # returns: no watcher restarted
+    assert unmonitored == ["nvmlEventSetCreate: Not Supported"]

@@ -107,6 +107,13 @@ def told(machine, pid: int, until=lambda got: True, timeout: float = 10) -> list
         time.sleep(0.05)
 
 
+def shm_seen(machine, pid: int) -> tuple[int, int]:
+    """(device, inode) of the /dev/shm daemon ``pid`` saw."""
+    [text] = [t for kind, p, t in record(machine) if kind == "shm" and p == pid]
+    dev, ino = text.split(":")
+    return int(dev), int(ino)
+
+
 def has(command: str):
     return lambda got: command in got
 
@@ -164,7 +171,7 @@ def test_daemon_told_its_limits_in_a_clean_environment_and_cleans_up(machine, tm
         assert daemon.stop() == 0
     assert [told(machine, pid, has("quit"))[-1] for pid in pids] == ["quit", "quit"]
     assert sorted(p for kind, p, _ in record(machine) if kind == "quit") == sorted(pids)
-    assert sorted(os.listdir(daemon.root)) == ["shm"]          # the per-GPU directories are gone
+    assert sorted(os.listdir(daemon.root)) == []               # the per-GPU directories are gone
     assert "stopped" in daemon.stderr()
 
 
@@ -269,8 +276,12 @@ def test_allocate_applied_to_a_runc_bundle_reaches_the_daemon(machine, tmp_path,
         memory = (A100, T4)[gpu] // 4
         assert lines == {"PIPE": "/mps/nvidia.com/gpu/pipe", "THREADS": "25", "MEMORY": f"0={memory}M",
                          "VISIBLE": uuids(machine)[gpu], "CONTROL": "fifo", "SHM": "written", "SENT": "yes"}
-        assert (daemon.root / "shm/from-container").exists()
+        # the container's /dev/shm is its GPU's daemon's own (issue 35: never one for every GPU)
+        assert (daemon.directory(gpu) / "shm/from-container").exists()
+        assert not (daemon.directory(1 - gpu) / "shm/from-container").exists()
         pid = daemon.daemon_pid(gpu)
+        shm = os.stat(daemon.directory(gpu) / "shm")
+        assert shm_seen(machine, pid) == (shm.st_dev, shm.st_ino) != shm_seen(machine, daemon.daemon_pid(1 - gpu))
         assert "get_server_list" in told(machine, pid, has("get_server_list"))    # that GPU's daemon, not the other's
         assert "get_server_list" not in told(machine, daemon.daemon_pid(1 - gpu))
     finally:

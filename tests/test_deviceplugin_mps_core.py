@@ -96,7 +96,7 @@ def test_allocate_hands_out_pipe_shm_and_limits():
                               "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3840M"}
     assert [(m.container_path, m.host_path, m.read_only) for m in got.mounts] == [
         ("/mps/nvidia.com/gpu/pipe", f"/run/nvidia/mps/nvidia.com/gpu/{gpu(1).uuid}/pipe", False),
-        ("/dev/shm", "/run/nvidia/mps/shm", False)]
+        ("/dev/shm", f"/run/nvidia/mps/nvidia.com/gpu/{gpu(1).uuid}/shm", False)]     # its GPU's daemon's own
     with pytest.raises(Refused, match="at most 1"):
         allocate([f"{gpu(1).uuid}::3", f"{gpu(1).uuid}::2"], resource, frozenset(), settings, "r", by_uuid)
     plain = allocate([f"{gpu(1).uuid}::3"], resource, frozenset(), settings, "r")     # time-slicing

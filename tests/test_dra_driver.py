@@ -23,8 +23,8 @@ from nvcontainer.cdi import store
 from nvcontainer.dra import checkpoint, claimspec
 from tests.fixtures.dra_kubelet import FakeDraKubelet
 from tests.fixtures.fakegpu import FakeSpec, run_in_fake_proc
-from tests.fixtures.kubeapi import FakeApiServer
-from tests.fixtures.kubelet import Plugin, inject_event, plugin_config
+from tests.fixtures.kubeapi import FakeApiServer, answer
+from tests.fixtures.kubelet import Plugin, inject_event, plugin_config, set_driver_state
 
 NODE = "node-a"
 DRIVER = "gpu.nvidia.com"
@@ -60,8 +60,8 @@ class Node:
 
 
 @contextlib.contextmanager
-def driver(machine, node: Node, server: FakeApiServer, *, env=None):
-    args = [*node.args(server.write_kubeconfig(str(node.base / "kubeconfig"))), "--sysfs", str(machine.sysfs)]
+def driver(machine, node: Node, server: FakeApiServer, *, env=None, extra=()):
+    args = [*node.args(server.write_kubeconfig(str(node.base / "kubeconfig"))), "--sysfs", str(machine.sysfs), *extra]
     plugin = Plugin(machine, node.config, node.base / "debug.log", args, command="dra-driver", env=env)
     kubelet = FakeDraKubelet(node.registrar, node.plugins, timeout=20)
     try:
@@ -341,7 +341,7 @@ def test_an_mps_claim_s_daemon_outlives_a_plugin_restart_and_goes_with_unprepare
             "defaultActiveThreadPercentage": 25}}}}}
     claim = put(server, "mps", ["gpu-1"], configs=[config])
     uuid = next(g["uuid"] for g in machine.description()["gpus"] if g["index"] == 1)
-    here = node.plugins / DRIVER / "mps" / claim[2]
+    here = node.plugins / DRIVER / "mps" / claim[2] / "config-0"
     started = lambda: [pid for kind, pid, _ in record(machine) if kind == "start"]   # noqa: E731
     try:
         with driver(machine, node, server) as (kubelet, _):
@@ -352,7 +352,7 @@ def test_an_mps_claim_s_daemon_outlives_a_plugin_restart_and_goes_with_unprepare
             assert told(machine, pid, has("set_default_active_thread_percentage 25")) == [
                 "set_default_active_thread_percentage 25"]
             spec = store.read_spec(str(node.cdi / claimspec.file_name(claim[2]))).spec
-            assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in spec["containerEdits"]["env"]
+            assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in spec["devices"][0]["containerEdits"]["env"]
         assert (here / "pipe" / "control").is_fifo()          # the plugin stopped; the daemon did not
         with driver(machine, node, server) as (kubelet, _):
             assert kubelet.prepare(claim)[claim[2]][0] == ""
@@ -364,6 +364,73 @@ def test_an_mps_claim_s_daemon_outlives_a_plugin_restart_and_goes_with_unprepare
         for pid in started():
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_trickling_api_server_holds_no_worker_past_the_deadline(machine, tmp_path, server):
+    """Issue 35: the API server trickles every answer a byte at a time (each byte inside the
+    per-read timeout). Eight claims at once (more than the plugin's worker threads) each end at
+    their deadline with one line, an unprepare meanwhile is answered, and once the server is
+    well a claim is prepared: nothing is wedged."""
+    node = Node(tmp_path)
+    good = put(server, "good", ["gpu-0"])
+    many = [put(server, f"slow-{i}", ["gpu-1"]) for i in range(8)]
+    with driver(machine, node, server) as (kubelet, plugin):
+        assert kubelet.prepare(good)[good[2]][0] == ""
+        body = b'{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {}}' + b" " * 400
+        server.hostile = answer(body, trickle=0.1)       # 48 s a body; the deadline is 5 - 2 s
+        start = time.monotonic()
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(kubelet.prepare, *many, timeout=5)
+            time.sleep(1)
+            assert kubelet.unprepare(good) == {good[2]: ""}
+            got = pending.result(timeout=10)
+        assert time.monotonic() - start < 6
+        assert all("default/slow-" in error and "\n" not in error for error, _ in got.values()), got
+        server.hostile = None
+        again = put(server, "again", ["gpu-0"])
+        start = time.monotonic()
+        assert kubelet.prepare(again, timeout=5)[again[2]][0] == ""
+        assert time.monotonic() - start < 2
+        assert "Traceback" not in plugin.stderr()
+
+
+def test_hostile_claims_and_answers_are_one_line_each_and_the_plugin_keeps_serving(machine, tmp_path, server):
+    """Issue 35 under the served path: a ten-character quantity that was computed for 16 s on
+    the event loop, a per-device key int() cannot read, and answers that are no claim (an HTML
+    page, an array, JSON nested 100,000 deep): each claim gets one line, at once."""
+    node = Node(tmp_path)
+
+    def mps(**config):
+        return [{"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": API, "kind": "GpuConfig", "sharing": {"strategy": "MPS", "mpsConfig": config}}}}]
+
+    huge = put(server, "huge", ["gpu-0"], configs=mps(defaultPinnedDeviceMemoryLimit="1e10000000"))
+    key = put(server, "key", ["gpu-0"], configs=mps(defaultPerDevicePinnedMemoryLimit={"\u00b2": "1Gi"}))
+    with driver(machine, node, server) as (kubelet, plugin):
+        start = time.monotonic()
+        got = kubelet.prepare(huge, key, timeout=10)
+        assert time.monotonic() - start < 3
+        assert "defaultPinnedDeviceMemoryLimit: 1e10000000: out of range" in got[huge[2]][0]
+        assert "defaultPerDevicePinnedMemoryLimit: \u00b2: names no device" in got[key[2]][0]
+        for body, content_type, line in ((b"<html>login</html>", "text/html", "invalid JSON"),
+                                         (b"[]", "application/json", "JSON list, not an object"),
+                                         (b"[" * 100_000 + b"]" * 100_000, "application/json", "nested deeper")):
+            server.hostile = answer(body, content_type=content_type)
+            claim = put(server, f"c-{len(body)}", ["gpu-0"])
+            error, devices = kubelet.prepare(claim, timeout=10)[claim[2]]
+            assert line in error and "\n" not in error and devices == [], error
+        server.hostile = None
+        newline = ("default", "newline", "0000-newline\n")     # a UID that passed ^...$ with re.match
+        server.put_claim({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                          "metadata": {"namespace": "default", "name": "newline", "uid": newline[2]},
+                          "status": {"allocation": {"devices": {"results": [
+                              {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0"}]}}}})
+        error, _ = kubelet.prepare(newline, timeout=10)[newline[2]]
+        assert "not a UID" in error and node.specs() == []
+        good = put(server, "good", ["gpu-0"])
+        assert kubelet.prepare(good, timeout=10)[good[2]][0] == ""
+        assert node.specs() == [claimspec.file_name(good[2])]
+        assert "Traceback" not in plugin.stderr()
 
 
 def host_paths(spec: dict) -> list[str]:
@@ -399,3 +466,26 @@ def test_a_host_driver_root_elsewhere_is_named_in_the_spec(machine, tmp_path, se
         spec = store.read_spec(str(node.cdi / claimspec.file_name(claim[2]))).spec
     mounts = [m["hostPath"] for m in spec["containerEdits"]["mounts"]]
     assert mounts and all(m.startswith("/run/nvidia/driver/") for m in mounts), mounts
+
+
+@pytest.mark.parametrize("taint", [False, True])
+def test_a_driver_without_nvml_events_keeps_every_device(private_machine, tmp_path, server, taint):
+    """nvmlEventSetCreate fails: every device stays published and preparable, health checks off
+    said once; under --taint-unhealthy each carries NVIDIA's unmonitored taint."""
+    machine = private_machine(FakeSpec(gpus=2))
+    set_driver_state(machine, "no_events=1")
+    node = Node(tmp_path)
+    claim = put(server, "unwatched", ["gpu-0"])
+    with driver(machine, node, server, extra=["--taint-unhealthy"] if taint else []) as (kubelet, plugin):
+        plugin.wait_for("health checks off: the driver's NVML has no event API (nvmlEventSetCreate: Not Supported)")
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            devices = [d for s in server.node_slices(NODE) for d in s["spec"]["devices"]]
+            if len(devices) == 2 and (not taint or all(d.get("taints") for d in devices)):
+                break
+            time.sleep(0.1)
+        assert len(devices) == 2
+        taints = [t["key"] for d in devices for t in d.get("taints", ())]
+        assert taints == (["gpu.nvidia.com/unmonitored"] * 2 if taint else [])
+        assert kubelet.prepare(claim)[claim[2]][0] == ""
+        assert plugin.stderr().count("health checks off") == 1

@@ -4,13 +4,14 @@ server that is down, slow or failing (bounded retries, one-line errors)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
 from nvcontainer.dra import kubeapi
 from nvcontainer.errors import NvcError
-from tests.fixtures.kubeapi import FakeApiServer, fake_api  # noqa: F401 (a fixture)
+from tests.fixtures.kubeapi import FakeApiServer, answer, endless, fake_api, flood  # noqa: F401 (a fixture)
 
 NODE = "node-a"
 
@@ -137,9 +138,10 @@ def test_in_cluster_configuration_over_tls(tmp_path, monkeypatch):
         server.stop()
 
 
-def test_bad_kubeconfig_is_one_line(tmp_path):
+@pytest.mark.parametrize("text", ["{not yaml: [", "[" * 100_000])
+def test_bad_kubeconfig_is_one_line(tmp_path, text):
     path = tmp_path / "k"
-    path.write_text("{not yaml: [")
+    path.write_text(text)
     with pytest.raises(NvcError, match=r"^kubernetes error: kubeconfig .*/k: "):
         kubeapi.load_config(str(path))
 
@@ -194,3 +196,139 @@ def test_node_name_is_checked(server, api):
     with pytest.raises(NvcError, match="node name is not a valid Kubernetes name"):
         api.list_slices("node/../x")
     assert server.requests == []
+
+
+# -- hostile answers: every body bounded in time as a whole and in size, and parsed strictly ------
+
+def claim_bytes(pad: int = 0) -> bytes:
+    obj = dict(claim(), apiVersion="resource.k8s.io/v1", kind="ResourceClaim")
+    return json.dumps(obj).encode() + b" " * pad
+
+
+def test_a_trickled_answer_ends_at_the_calls_deadline(server, api):
+    """A byte every 0.2 s is inside every per-read timeout (2 s): it kept a 1.5 s call reading
+    for as long as the body lasted."""
+    server.hostile = answer(claim_bytes(), trickle=0.2)
+    start = time.monotonic()
+    with pytest.raises(NvcError) as err:
+        api.get_claim("default", "c1", deadline=time.monotonic() + 1.5)
+    assert time.monotonic() - start < 2.0
+    assert "\n" not in str(err.value) and "deadline" in err.value.detail
+
+
+def test_an_endless_answer_ends_at_the_calls_deadline(server, api):
+    server.hostile = endless(every=0.05)
+    start = time.monotonic()
+    with pytest.raises(NvcError, match="deadline"):
+        api.get_claim("default", "c1", deadline=time.monotonic() + 1)
+    assert time.monotonic() - start < 1.5
+
+
+@pytest.mark.parametrize("with_length", [True, False])
+def test_a_flood_is_refused_at_the_size_bound_not_read_whole(server, api, with_length):
+    sent: list[int] = []
+    server.hostile = flood(128 << 20, with_length=with_length, sent=sent)
+    with pytest.raises(NvcError, match=f"answer is larger than {kubeapi.MAX_BODY} bytes"):
+        api.get_claim("default", "c1", deadline=time.monotonic() + 20)
+    api.close()
+    deadline = time.monotonic() + 5
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sent and sent[0] < kubeapi.MAX_BODY + (16 << 20)   # the client stopped reading: the rest never sent
+    assert len(server.requests) == 1                          # final, not retried
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_size_bound_exactly_and_one_past(server, api, monkeypatch, chunked):
+    body = claim_bytes()
+    monkeypatch.setattr(kubeapi, "MAX_BODY", len(body) + 100)
+    headers = (("Transfer-Encoding", "chunked"),) if chunked else ()
+    at = claim_bytes(100)
+    server.hostile = (lambda h: _chunked(h, at)) if chunked else answer(at, headers=headers)
+    assert api.get_claim("default", "c1")["metadata"]["name"] == "c1"
+    past = claim_bytes(101)
+    server.hostile = (lambda h: _chunked(h, past)) if chunked else answer(past)
+    with pytest.raises(NvcError, match="larger than"):
+        api.get_claim("default", "c1")
+
+
+def _chunked(handler, body: bytes) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Transfer-Encoding", "chunked")
+    handler.end_headers()
+    for i in range(0, len(body), 7):
+        piece = body[i:i + 7]
+        handler.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+    handler.wfile.write(b"0\r\n\r\n")
+
+
+@pytest.mark.parametrize("body, content_type, message", [
+    (b"<html><body>Sign in to the proxy</body></html>", "text/html", "answer: invalid JSON"),
+    (b'[{"kind": "ResourceClaim"}]', "application/json", "with a JSON list, not an object"),
+    (b"[" * 100_000 + b"]" * 100_000, "application/json", "answer: JSON nested deeper than 64 levels"),
+    (b'{"a":' * 65 + b"1" + b"}" * 65, "application/json", "answer: JSON nested deeper than 64 levels"),
+    (claim_bytes() + b'{"kind": "ResourceClaim"}', "application/json", "answer: invalid JSON: Extra data"),
+    (claim_bytes()[:-1], "application/json", "answer: invalid JSON"),
+    (b'{"kind": "Status", "status": "Success"}', "application/json", "with kind 'Status', not ResourceClaim"),
+    (b'{"n": ' + b"9" * 5000 + b"}", "application/json", "answer: invalid JSON: Exceeds the limit"),
+    (b"\xff\xfe{}", "application/json", "answer: "),
+])
+def test_a_success_that_is_no_claim_is_one_line(server, api, body, content_type, message):
+    server.hostile = answer(body, content_type=content_type)
+    with pytest.raises(NvcError) as err:
+        api.get_claim("default", "c1", deadline=time.monotonic() + 5)
+    assert err.value.category == "kubernetes" and message in err.value.detail, err.value.detail
+    assert "\n" not in str(err.value)
+    assert len(server.requests) == 1
+
+
+def test_nesting_at_the_bound_is_read(server, api):
+    inner = b'{"a":' * 62 + b"1" + b"}" * 62          # with the claim's own object and its "x": 64 levels
+    server.hostile = answer(claim_bytes()[:-1] + b', "x": ' + inner + b"}")
+    assert api.get_claim("default", "c1")["metadata"]["uid"] == "u-1"
+
+
+def test_a_content_coding_not_asked_for_is_refused(server, api):
+    import gzip
+    server.hostile = answer(gzip.compress(b" " * (64 << 20)), headers=(("Content-Encoding", "gzip"),))
+    with pytest.raises(NvcError, match="answered in gzip coding, though none was asked"):
+        api.get_claim("default", "c1")
+    assert server.requests and all(m == "GET" for m, _ in server.requests)
+
+
+def test_the_deadline_is_lifted_after_the_call(server, api):
+    """A call's deadline is the thread's only for the call: the next call, with its own, works."""
+    server.put_claim(claim())
+    server.hostile = answer(claim_bytes(), trickle=0.2)
+    with pytest.raises(NvcError):
+        api.get_claim("default", "c1", deadline=time.monotonic() + 0.5)
+    server.hostile = None
+    assert api.get_claim("default", "c1", deadline=time.monotonic() + 5)["metadata"]["name"] == "c1"
+
+
+def test_a_server_killed_mid_answer_is_retried_then_one_line(server, api):
+    """Half an answer, then the connection dropped (a server killed mid-request): retried while
+    there is time, then one line; a whole answer after it is read."""
+    server.put_claim(claim())
+    whole = claim_bytes()
+    cut = [0]
+
+    def half(handler) -> None:
+        cut[0] += 1
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(whole)))
+        handler.end_headers()
+        handler.wfile.write(whole[:len(whole) // 2])
+        handler.wfile.flush()
+        handler.connection.shutdown(2)
+
+    server.hostile = half
+    start = time.monotonic()
+    with pytest.raises(NvcError) as err:
+        api.get_claim("default", "c1", deadline=time.monotonic() + 1)
+    assert time.monotonic() - start < 1.5 and cut[0] >= 2
+    assert "\n" not in str(err.value) and "attempt(s)" in err.value.detail
+    server.hostile = None
+    assert api.get_claim("default", "c1", deadline=time.monotonic() + 5)["metadata"]["uid"] == "u-1"

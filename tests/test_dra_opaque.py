@@ -5,6 +5,8 @@ device. Pure: no machine needed."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from nvcontainer.dra import claims, opaque
@@ -65,6 +67,15 @@ def test_time_slicing_and_mps_shapes():
                                                                 "timeSlicingConfig": {}}}, "timeSlicingConfig"),
     ({"apiVersion": "resource.nvidia.com/v1", "kind": "GpuConfig"}, "apiVersion"),
     ({"apiVersion": API, "kind": "VfioDeviceConfig"}, "kind"),
+    # the kind is named before its fields are: each kind has its own fields
+    ({"apiVersion": API, "kind": "VfioDeviceConfig", "iommu": {}}, "kind: kind VfioDeviceConfig is not supported"),
+    ({"apiVersion": API, "kind": "FancyConfig", "fancy": 1}, "kind: kind FancyConfig is not supported"),
+    (gpu_config(strategy="MPS", mpsConfig={"defaultPinnedDeviceMemoryLimit": "9Ei"}),
+     "defaultPinnedDeviceMemoryLimit: 9Ei: out of range"),
+    (gpu_config(strategy="MPS", mpsConfig={"defaultPinnedDeviceMemoryLimit": "-1Gi"}),
+     "defaultPinnedDeviceMemoryLimit: -1Gi: must be at least 1Mi"),
+    (gpu_config(strategy="MPS", mpsConfig={"defaultPinnedDeviceMemoryLimit": float("inf")}),
+     "defaultPinnedDeviceMemoryLimit: inf: out of range"),
 ])
 def test_bad_parameters_are_refused_naming_the_field(params, field):
     with pytest.raises(NvcError) as err:
@@ -77,9 +88,37 @@ def test_quantities():
     assert opaque.quantity("1.5Mi") == 3 << 19
     assert opaque.quantity("1e6") == 10 ** 6
     assert opaque.quantity(1048576) == 1 << 20
-    for bad in ("", "1GB", "-1Mi", "Mi", True, None):
-        with pytest.raises(ValueError):
+    # signed, as Kubernetes writes them: a sign on the number and on the exponent; milli
+    assert opaque.quantity("+1Gi") == 1 << 30
+    assert opaque.quantity("-1Mi") == -(1 << 20)
+    assert opaque.quantity("1E+3") == 1000
+    assert opaque.quantity("5e-3") == 1          # rounded up, as Kubernetes' Value() does
+    assert opaque.quantity("1500m") == 2
+    assert opaque.quantity("1.") == 1 and opaque.quantity(".5k") == 500
+    for bad in ("", "1GB", "Mi", "++1", "1e", "1e1.5", "1Gi\n1", "\uff11Gi", True, None):
+        with pytest.raises(ValueError, match="not a quantity"):
             opaque.quantity(bad)
+
+
+def test_a_quantity_is_bounded_before_it_is_computed():
+    """``1e10000000`` is ten characters and was computed as a ten-million-digit integer (16 s on
+    the event loop, every claim stopped meanwhile): refused at once, as is everything past 8Ei."""
+    assert opaque.quantity("8Ei") == opaque.QUANTITY_MAX                       # at the bound
+    assert opaque.quantity(str(opaque.QUANTITY_MAX)) == opaque.QUANTITY_MAX
+    for past in ("1e10000000", "1e30000000", "1e61", "9Ei", str(opaque.QUANTITY_MAX + 1), "8.0000000001Ei",
+                 opaque.QUANTITY_MAX + 1, 1e300, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="out of range"):
+            opaque.quantity(past)
+    assert opaque.quantity("1e-10000000") == 1 and opaque.quantity("0e10000000") == 0   # tiny, zero: no power
+    assert opaque.quantity("1" + "0" * 18) == 10 ** 18
+    longest = "0" * (opaque.QUANTITY_CHARS - 1) + "1"
+    assert opaque.quantity(longest) == 1                                        # length at the bound
+    with pytest.raises(ValueError, match="not a quantity"):
+        opaque.quantity("0" + longest)                                          # one past
+    started = time.monotonic()
+    with pytest.raises(NvcError, match="defaultPinnedDeviceMemoryLimit: 1e10000000: out of range"):
+        opaque.parse(gpu_config(strategy="MPS", mpsConfig={"defaultPinnedDeviceMemoryLimit": "1e10000000"}))
+    assert time.monotonic() - started < 0.5
 
 
 def test_the_last_matching_entry_wins_class_before_claim():
@@ -117,6 +156,12 @@ def test_only_this_drivers_results_in_this_nodes_pool():
     (claim([result("gpu-0"), result("gpu-1")],
            [config(gpu_config(strategy="MPS", mpsConfig={"defaultPerDevicePinnedMemoryLimit": {"5": "1Gi"}}))]),
      "defaultPerDevicePinnedMemoryLimit: 5: names no device"),
+    (claim([result("gpu-0")],     # "²".isdigit() is True, and int("²") raises
+           [config(gpu_config(strategy="MPS", mpsConfig={"defaultPerDevicePinnedMemoryLimit": {"²": "1Gi"}}))]),
+     "defaultPerDevicePinnedMemoryLimit: ²: names no device"),
+    (claim([result("gpu-0")],
+           [config(gpu_config(strategy="MPS", mpsConfig={"defaultPerDevicePinnedMemoryLimit": {"9" * 5000: "1Gi"}}))]),
+     "defaultPerDevicePinnedMemoryLimit: 999"),
 ])
 def test_claims_this_node_cannot_prepare(obj, message):
     with pytest.raises(NvcError) as err:

@@ -24,6 +24,7 @@ from nvcontainer.errors import NvcError
 from nvcontainer.inventory.build import build
 from tests.fixtures.fakegpu import FakeSpec
 from tests.test_deviceplugin_mps import has, record, told
+from tests.test_deviceplugin_mps import shm_seen as shm_of
 
 HOOK = "/usr/local/bin/nvcontainer-hook"
 NODE = "node-a"
@@ -238,9 +239,10 @@ def test_time_slices_are_set_and_reset_by_the_last_claim(inv, dirs):
     b = put_admin(source, UID2, ["gpu-1"], "b", configs=[time_slicing("Short")])
     asyncio.run(p.prepare(*a))
     asyncio.run(p.prepare(*b))
-    assert calls == [[smi, "compute-policy", "-i", g0, "--set-timeslice=3"],
-                     [smi, "compute-policy", "-i", g1, "--set-timeslice=3"],
-                     [smi, "compute-policy", "-i", g1, "--set-timeslice=1"]]
+    # NVIDIA's order: the compute mode back to DEFAULT (an MPS claim's may have been left), then the slice
+    assert calls == [[smi, "-i", g0, "-c", "DEFAULT"], [smi, "compute-policy", "-i", g0, "--set-timeslice=3"],
+                     [smi, "-i", g1, "-c", "DEFAULT"], [smi, "compute-policy", "-i", g1, "--set-timeslice=3"],
+                     [smi, "-i", g1, "-c", "DEFAULT"], [smi, "compute-policy", "-i", g1, "--set-timeslice=1"]]
     del calls[:]
     asyncio.run(p.unprepare(*a))                     # GPU 1 is still b's
     assert calls == [[smi, "compute-policy", "-i", g0, "--set-timeslice=0"]]
@@ -255,7 +257,7 @@ def test_a_time_slice_that_cannot_be_set_fails_the_prepare(inv, dirs):
     source = Claims()
     p = Preparer(inv, table_of(inv), NODE, dirs[0], dirs[1], generate.Options(hook_path=HOOK), source.get,
                  lambda line: None, run=fail)
-    with pytest.raises(NvcError, match=f"-i {inv.gpus[0].uuid} --set-timeslice=2: exit status 2"):
+    with pytest.raises(NvcError, match=f"-i {inv.gpus[0].uuid} -c DEFAULT: exit status 2"):
         asyncio.run(p.prepare(*source.put(UID1, ["gpu-0"], configs=[time_slicing("Medium")])))
     assert not os.path.exists(dirs[0]) and p.claims == {}
 
@@ -277,6 +279,19 @@ def fresh_record(machine):
     state.unlink(missing_ok=True)
 
 
+def kill(pid: int) -> None:
+    """SIGKILL, and wait until the daemon is gone (dead or a zombie): its pipe then has no reader."""
+    os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in "ZX":
+                return
+        except OSError:
+            return
+        time.sleep(0.02)
+
+
 def daemons(machine) -> list[int]:
     return [pid for kind, pid, _ in record(machine) if kind == "start"] if machine.mps_record.exists() else []
 
@@ -287,7 +302,7 @@ def test_an_mps_claim_gets_its_own_daemon_reached_through_its_spec(machine, inv,
     lines = []
     p = preparer(inv, dirs, source, lines)
     asyncio.run(p.prepare(*claim))
-    here = os.path.join(dirs[1], "mps", UID1)
+    here = os.path.join(dirs[1], "mps", UID1, "config-0")
     [pid] = daemons(machine)
     env = dict(text.split("=", 1) for kind, p_, text in record(machine) if kind == "env" and p_ == pid)
     assert env == {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "CUDA_MPS_PIPE_DIRECTORY": f"{here}/pipe",
@@ -296,18 +311,23 @@ def test_an_mps_claim_gets_its_own_daemon_reached_through_its_spec(machine, inv,
     threads = "set_default_active_thread_percentage 40"
     assert told(machine, pid, has(threads)) == ["set_default_device_pinned_mem_limit 0 1024M",
                                                "set_default_device_pinned_mem_limit 1 2048M", threads]
-    edits = spec_of(dirs, UID1)["containerEdits"]
-    assert {"CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40",
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1024M,1=2048M"} <= set(edits["env"])
-    assert {"hostPath": f"{here}/pipe", "containerPath": "/tmp/nvidia-mps",
-            "options": ["rbind", "rprivate"]} in edits["mounts"]
-    assert [m["containerPath"] for m in edits["mounts"]].count("/tmp/nvidia-mps") == 1   # not the host's
+    spec = spec_of(dirs, UID1)
+    assert not [m for m in spec["containerEdits"]["mounts"] if m["containerPath"] == "/tmp/nvidia-mps"]  # the host's
+    for device in spec["devices"]:
+        edits = device["containerEdits"]
+        assert {"CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40",
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1024M,1=2048M"} <= set(edits["env"])
+        assert {"hostPath": f"{here}/pipe", "containerPath": "/tmp/nvidia-mps",
+                "options": ["rbind", "rprivate"]} in edits["mounts"]
+        assert {"hostPath": f"{here}/shm", "containerPath": "/dev/shm",
+                "options": ["rbind", "rprivate"]} in edits["mounts"]
+    assert shm_of(machine, pid) == os.stat(f"{here}/shm")[1:3][::-1] and os.stat(f"{here}/shm").st_mode & 0o7777 == 0o1777
     assert not lines
     # a restarted plugin keeps the daemon that answers; one that died is started again
     again = preparer(inv, dirs, source)
     asyncio.run(again.prepare(*claim))
     assert daemons(machine) == [pid]
-    os.kill(pid, signal.SIGKILL)
+    kill(pid)
     asyncio.run(again.prepare(*claim))
     [_, second] = daemons(machine)
     assert told(machine, second, has(threads))[-1] == threads
@@ -329,7 +349,7 @@ def test_an_mps_daemon_that_does_not_start_fails_the_prepare_with_nothing_left(m
     Path(f"{machine.mps_record}.state").write_text("fail_start\n")
     source = Claims()
     p = preparer(inv, dirs, source)
-    with pytest.raises(NvcError, match="claim ns/c: its MPS daemon did not start: nvidia-cuda-mps-control -d "
+    with pytest.raises(NvcError, match="claim ns/c: the MPS daemon of config\\[0\\] did not start: nvidia-cuda-mps-control -d "
                                        "failed") as err:
         asyncio.run(p.prepare(*source.put(UID1, ["gpu-0"], configs=[mps(threads=50)])))
     assert "\n" not in str(err.value)
@@ -410,7 +430,7 @@ def test_a_daemon_directory_planted_as_a_link_to_another_daemon_s_is_never_follo
                                                                                    fresh_record):
     """Issue 35: a GPU's (or claim's) MPS directory replaced by a link to another daemon's: the
     other daemon is never told to quit through it, and keeps running."""
-    from nvcontainer.kubelet import mpscontrol
+    from nvcontainer.mps import control as mpscontrol
 
     binary = mpscontrol.control_binary(inv)
     other = mpscontrol.Control("other", str(tmp_path / "other"), inv.gpus[1].uuid, binary, 10)
@@ -427,3 +447,111 @@ def test_a_daemon_directory_planted_as_a_link_to_another_daemon_s_is_never_follo
     assert told(machine, pid) == [] and other.answers() == ""
     assert "quit" not in told(machine, pid) and [k for k, p, _ in record(machine) if p == pid and k == "quit"] == []
     assert mine.stop() == "" and other.stop() == ""
+
+
+def put_requests(source: Claims, uid: str, requests: dict[str, list[str]], configs=(), name="c"):
+    """A claim whose results name ``requests`` (request → devices)."""
+    claim = source.put(uid, [], name=name, configs=configs)
+    source.objects[(claim[0], claim[1])]["status"]["allocation"]["devices"]["results"] = [
+        {"request": r, "driver": "gpu.nvidia.com", "pool": NODE, "device": d} for r, ds in requests.items() for d in ds]
+    return claim
+
+
+def for_requests(config: dict, *requests: str) -> dict:
+    return {**config, "requests": list(requests)}
+
+
+def env_of(device: dict) -> set[str]:
+    return {e for e in device["containerEdits"].get("env", ()) if e.startswith("CUDA_MPS")}
+
+
+def test_gpu_test5_one_time_sliced_and_one_mps_gpu_in_one_claim(machine, inv, dirs, fresh_record):
+    """NVIDIA's gpu-test5: only the MPS group's GPU is an MPS client; the time-sliced one is not."""
+    calls = []
+    source = Claims()
+    claim = put_requests(source, UID1, {"ts-gpu": ["gpu-0"], "mps-gpu": ["gpu-1"]}, configs=[
+        for_requests(time_slicing("Long"), "ts-gpu"), for_requests(mps(threads=50, limit="2Gi"), "mps-gpu")])
+    p = Preparer(inv, table_of(inv), NODE, dirs[0], dirs[1], generate.Options(hook_path=HOOK), source.get,
+                 [].append, run=calls.append)
+    asyncio.run(p.prepare(*claim))
+    [pid] = daemons(machine)
+    env = dict(text.split("=", 1) for kind, p_, text in record(machine) if kind == "env" and p_ == pid)
+    assert env["CUDA_VISIBLE_DEVICES"] == inv.gpus[1].uuid                    # the MPS group's GPU only
+    assert told(machine, pid, has("set_default_active_thread_percentage 50")) == [
+        "set_default_device_pinned_mem_limit 0 2048M", "set_default_active_thread_percentage 50"]
+    spec = spec_of(dirs, UID1)
+    ts, shared = (next(d for d in spec["devices"] if d["name"] == f"{UID1}-{n}") for n in ("gpu-0", "gpu-1"))
+    assert env_of(ts) == set() and not any("CUDA_MPS" in e for e in spec["containerEdits"].get("env", ()))
+    assert not [m for m in ts["containerEdits"].get("mounts", ()) if m["containerPath"] in ("/tmp/nvidia-mps",
+                                                                                         "/dev/shm")]
+    assert env_of(shared) == {"CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+                              "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M"}
+    g0, g1 = inv.gpus[0].uuid, inv.gpus[1].uuid
+    # compute modes: EXCLUSIVE_PROCESS on the MPS GPU before its daemon, DEFAULT before the time-slice
+    assert [c[1:] for c in calls] == [["-i", g1, "-c", "EXCLUSIVE_PROCESS"], ["-i", g0, "-c", "DEFAULT"],
+                                      ["compute-policy", "-i", g0, "--set-timeslice=3"]]
+    del calls[:]
+    asyncio.run(p.unprepare(*claim))
+    assert [p_ for kind, p_, _ in record(machine) if kind == "quit"] == [pid]
+    assert [c[1:] for c in calls] == [["-i", g1, "-c", "DEFAULT"], ["compute-policy", "-i", g0, "--set-timeslice=0"]]
+
+
+def test_two_mps_configs_in_one_claim_get_two_daemons_with_their_own_limits(machine, inv, dirs, fresh_record):
+    source = Claims()
+    claim = put_requests(source, UID1, {"a": ["gpu-0"], "b": ["gpu-1"]}, configs=[
+        for_requests(mps(threads=30, limit="1Gi"), "a"), for_requests(mps(threads=60, per={"0": "3Gi"}), "b")])
+    p = preparer(inv, dirs, source)
+    asyncio.run(p.prepare(*claim))
+    first, second = daemons(machine)
+    seen = {}
+    for pid in (first, second):
+        env = dict(t.split("=", 1) for kind, p_, t in record(machine) if kind == "env" and p_ == pid)
+        seen[env["CUDA_VISIBLE_DEVICES"]] = (told(machine, pid, lambda got: len(got) == 2), shm_of(machine, pid))
+    g0, g1 = inv.gpus[0].uuid, inv.gpus[1].uuid
+    assert seen[g0][0] == ["set_default_device_pinned_mem_limit 0 1024M", "set_default_active_thread_percentage 30"]
+    # the per-device key "0" is the first device of config[1]'s group (gpu-1), not the claim's gpu-0
+    assert seen[g1][0] == ["set_default_device_pinned_mem_limit 0 3072M", "set_default_active_thread_percentage 60"]
+    assert seen[g0][1] != seen[g1][1]                                          # a /dev/shm each
+    spec = spec_of(dirs, UID1)
+    envs = {d["name"]: env_of(d) for d in spec["devices"]}
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in envs[f"{UID1}-gpu-0"]
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60" in envs[f"{UID1}-gpu-1"]
+    asyncio.run(p.unprepare(*claim))
+    assert sorted(p_ for kind, p_, _ in record(machine) if kind == "quit") == sorted([first, second])
+    assert not os.path.exists(os.path.join(dirs[1], "mps"))
+
+
+def test_a_device_in_two_configuration_groups_is_refused(inv, dirs):
+    source = Claims()
+    claim = put_requests(source, UID1, {"a": ["gpu-0"], "b": ["gpu-0"]}, configs=[
+        for_requests(mps(threads=30), "a"), for_requests(time_slicing("Short"), "b")])
+    with pytest.raises(NvcError, match=r"claim ns/c: device gpu-0 is in two configuration groups \(config\[0\] for "
+                                       r"request a, config\[1\] for request b\): a device is shared one way"):
+        asyncio.run(preparer(inv, dirs, source).prepare(*claim))
+
+
+def test_a_per_device_key_past_its_group_is_refused(inv, dirs):
+    source = Claims()
+    claim = put_requests(source, UID1, {"a": ["gpu-0"], "b": ["gpu-1"]}, configs=[
+        for_requests(mps(per={"1": "1Gi"}), "b")])
+    with pytest.raises(NvcError, match=r"config\[0\]: mpsConfig.defaultPerDevicePinnedMemoryLimit: 1: names no "
+                                       r"device of the claim \(an index below 1"):
+        asyncio.run(preparer(inv, dirs, source).prepare(*claim))
+
+
+def test_a_daemon_that_dies_while_its_clients_run_is_one_line_and_started_again(machine, inv, dirs, fresh_record):
+    source = Claims()
+    claim = source.put(UID1, ["gpu-0"], configs=[mps(threads=20)])
+    lines = []
+    p = preparer(inv, dirs, source, lines)
+    asyncio.run(p.prepare(*claim))
+    asyncio.run(p.check_daemons())
+    assert lines == []                                       # it answers: nothing said
+    [pid] = daemons(machine)
+    kill(pid)
+    asyncio.run(p.check_daemons())
+    assert lines == ["MPS daemon of claim ns/c (config[0]) died while its clients ran; started again: its "
+                     "clients must start again"]
+    [_, second] = daemons(machine)
+    assert told(machine, second, has("set_default_active_thread_percentage 20"))
+    asyncio.run(p.unprepare(*claim))

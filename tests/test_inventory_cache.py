@@ -529,8 +529,60 @@ def test_an_upgrade_of_nvcontainer_itself_is_a_miss(machine, cache_dir, tmp_path
     assert upgraded.returncode == 1 and "driver not loaded" in upgraded.stderr, upgraded.stdout + upgraded.stderr
 
 
-def test_the_program_stamp_is_part_of_the_inputs_but_not_of_the_name(machine, cache_dir):
+def test_the_program_stamp_is_part_of_the_inputs_and_of_the_name(machine, cache_dir):
     cfg = config_for(machine, cache_dir)
     inputs = cache._inputs(cfg)
     assert inputs["program"] == cache.PROGRAM
-    assert cache.entry_name(inputs) == cache.entry_name({**inputs, "program": "another"})   # replaced, not joined
+    mine, other = cache.entry_name(inputs), cache.entry_name({**inputs, "program": "another"})
+    assert mine != other and cachefile.configuration_of(mine) == cachefile.configuration_of(other)
+    assert cache.entry_name({**inputs, "version": "0.0"}) != mine
+    assert cachefile.configuration_of(cache.entry_name({**inputs, "user": "65534"})) != cachefile.configuration_of(mine)
+
+
+def test_two_installs_alternating_build_once_each(machine, cache_dir, tmp_path):
+    """Issue 35: a package's server and a pip-installed hook (two copies of the same code, their
+    program stamps differ) share the cache directory. Each builds its entry once; from then on
+    they alternate without a rebuild (proven with NVML broken), and neither removes the other's."""
+    repo = Path(__file__).resolve().parent.parent
+    trees = {}
+    for which in ("package", "pip"):
+        trees[which] = tmp_path / which
+        shutil.copytree(repo / "nvcontainer", trees[which] / "nvcontainer",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    os.utime(trees["pip"] / "nvcontainer" / "inventory" / "build.py", (1, 1))   # installed at another time
+    conf = tmp_path / "config.toml"
+    conf.write_text(f'[nvcontainer]\ncache-dir = "{cache_dir}"\n')
+
+    def info(which):
+        code = (f"import sys; sys.path.insert(0, {str(trees[which])!r}); import nvcontainer; "
+                f"assert nvcontainer.__file__.startswith({str(trees[which])!r}), nvcontainer.__file__; "
+                "from nvcontainer.cli.main import main; sys.exit(main())")
+        argv = [sys.executable, "-I", "-c", code, "--config", str(conf), "--root", str(machine.root), "info"]
+        res = run_in_fake_proc(machine, argv, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    first = {which: info(which) for which in trees}
+    assert first["package"] == first["pip"]
+    built = {p.name: p.stat().st_ino for p in entries(cache_dir)}
+    assert len(built) == 2 and len({cachefile.configuration_of(n) for n in built}) == 1
+    break_nvml(machine)
+    for _ in range(3):
+        for which in trees:
+            assert info(which) == first[which]   # a hit: a rebuild would meet the broken NVML
+    assert {p.name: p.stat().st_ino for p in entries(cache_dir)} == built   # neither rewritten
+
+
+def test_a_configuration_keeps_only_its_newest_programs(machine, cache_dir):
+    cache_dir.mkdir(mode=0o700)
+    cfg = config_for(machine, cache_dir)
+    inputs = cache._inputs(cfg)
+    olds = [cache.entry_name({**inputs, "program": f"old-{i}"}) for i in range(cachefile.MAX_PROGRAMS + 2)]
+    others = [f"{cache.PREFIX}{i:08x}-00000000.json" for i in range(3)]   # other configurations
+    for age, name in enumerate([*olds, *others]):
+        (cache_dir / name).write_text("{}")
+        os.utime(cache_dir / name, (1000 + age, 1000 + age))
+    inventory(machine, cfg)
+    names = {p.name for p in entries(cache_dir)}
+    assert cache.entry_name(inputs) in names and set(others) <= names
+    assert [n for n in olds if n in names] == olds[-(cachefile.MAX_PROGRAMS - 1):]   # the newest kept

@@ -26,6 +26,7 @@ from nvcontainer import __version__  # noqa: E402
 from nvcontainer.config import load as config_load  # noqa: E402
 from nvcontainer.config.model import Config  # noqa: E402
 from nvcontainer.deviceplugin import mps, settings as dp_settings  # noqa: E402
+from nvcontainer.installer.settings import READY_FILE  # noqa: E402
 from nvcontainer.labels import publish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,6 +92,15 @@ def option(container: dict, name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
 
 
+def waits(container: dict) -> bool:
+    """The init container that waits for the installer's ready file: no GPU, no privilege."""
+    return command_word(container) == "install" and "--wait-ready" in container["command"]
+
+
+def installs(ds: dict) -> bool:
+    return any(command_word(c) == "install" and not waits(c) for c in containers(ds))
+
+
 def mounts_shm(container: dict) -> bool:
     return command_word(container) == "mps-daemon" and "--mount-shm" in container["command"]
 
@@ -117,6 +127,10 @@ def needs(container: dict, cfg: Config, dp: dp_settings.Settings) -> dict[str, t
     pods, writable), "host-read" (read-only is enough), "private" (any writable volume),
     "kernel" (the pod's own /proc, /sys)."""
     word = command_word(container)
+    if waits(container):
+        return {posixpath.dirname(READY_FILE): ("host-read", posixpath.dirname(READY_FILE), "")}
+    if word == "install":   # the host's / (engine files, /usr/local, /run), seeing later mounts
+        return {"/host": ("host", "/", "HostToContainer")}
     paths = {cfg.cache_dir: ("private", None, ""), "/proc/driver/nvidia": ("kernel", None, ""),
              dp.sysfs: ("kernel", None, "")}
     if word == "device-plugin":
@@ -131,8 +145,9 @@ def needs(container: dict, cfg: Config, dp: dp_settings.Settings) -> dict[str, t
         # the tmpfs it mounts must be the host's
         return {dp.mps_root: ("host", dp.mps_root, "Bidirectional")}
     elif word == "mps-daemon":
+        # each daemon's /dev/shm is its own <mps-root>/<resource>/<GPU>/shm, bound in a mount
+        # namespace of the daemon's: nothing shared at the container's /dev/shm
         paths[dp.mps_root] = ("host", dp.mps_root, "HostToContainer")
-        paths[mps.CONTAINER_SHM] = ("host", posixpath.join(dp.mps_root, mps.SHM), "")
     else:
         raise AssertionError(f"unknown command {word}")
     return paths
@@ -184,10 +199,16 @@ def test_the_driver_comes_through_the_runtime_class(rendered):
     assert cfg.root == "/", "the driver root is what the hook injected into the container"
     for ds in daemonsets(objs):
         spec = ds["spec"]["template"]["spec"]
+        if installs(ds):   # it makes the runtime class work: it cannot run under it
+            assert "runtimeClassName" not in spec
+            continue
         assert spec["runtimeClassName"] == "nvidia", ds["metadata"]["name"]
         assert not any(v.get("hostPath", {}).get("path") == "/" for v in spec.get("volumes", [])), "no host /"
         for container in containers(ds):
             env = {e["name"]: e["value"] for e in container.get("env", [])}
+            if waits(container):
+                assert "NVIDIA_VISIBLE_DEVICES" not in env, "waiting needs no GPU"
+                continue
             if mounts_shm(container):
                 assert "NVIDIA_VISIBLE_DEVICES" not in env, "the tmpfs mounter needs no GPU"
                 continue
@@ -199,6 +220,8 @@ def test_the_driver_comes_through_the_runtime_class(rendered):
 
 def privileged_because(container: dict, dp: dp_settings.Settings) -> str | None:
     """Why a container may be privileged, or None: it may not."""
+    if command_word(container) == "install" and not waits(container):
+        return "it writes the engine's files and /usr/local, signals the engine, joins the host's namespaces"
     if command_word(container) == "mps-daemon":
         return "a bidirectional mount" if mounts_shm(container) else "the MPS server opens every GPU"
     if dp.mig_strategy != "none":
@@ -213,16 +236,20 @@ def test_privileges_are_the_minimum(rendered):
         spec = ds["spec"]["template"]["spec"]
         words = {command_word(c) for c in containers(ds)}
         assert not spec.get("hostNetwork") and not spec.get("hostIPC"), ds["metadata"]["name"]
-        assert bool(spec.get("hostPID")) == ("mps-daemon" in words), \
-            f"{target}: host PID namespace only for the MPS server, whose clients are other pods"
+        assert bool(spec.get("hostPID")) == ("mps-daemon" in words or installs(ds)), \
+            f"{target}: host PID namespace only for the MPS server, whose clients are other pods, and the " \
+            "installer, which signals the engine"
         assert spec["automountServiceAccountToken"] is False
         for container in containers(ds):
             name = f"{target} {ds['metadata']['name']}/{container['name']}"
             security = container["securityContext"]
             env = {e["name"]: e["value"] for e in container.get("env", [])}
-            if privileged_because(container, dp):
+            if waits(container):
+                assert security["runAsNonRoot"] is True and security["capabilities"]["drop"] == ["ALL"], name
+                assert security["allowPrivilegeEscalation"] is False and "add" not in security["capabilities"]
+            elif privileged_because(container, dp):
                 assert security["privileged"] is True and security.get("allowPrivilegeEscalation", True), name
-                if command_word(container) != "mps-daemon":
+                if command_word(container) not in ("mps-daemon", "install"):
                     assert env.get("NVIDIA_MIG_MONITOR_DEVICES") == "all", name
             else:
                 assert "NVIDIA_MIG_MONITOR_DEVICES" not in env
@@ -317,7 +344,7 @@ def test_the_objects_hang_together(rendered):
         assert ds["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
         spec = template["spec"]
         assert ("ServiceAccount", spec["serviceAccountName"]) in names
-        assert ("RuntimeClass", spec["runtimeClassName"]) in names
+        assert installs(ds) or ("RuntimeClass", spec["runtimeClassName"]) in names
         for volume in spec["volumes"]:
             if "configMap" in volume:
                 assert ("ConfigMap", volume["configMap"]["name"]) in names, f"{target}: {volume}"

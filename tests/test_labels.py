@@ -10,6 +10,7 @@ versions.txt holds the lines every machine shares (driver 550.54.14, CUDA 12.4).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -294,3 +295,37 @@ def test_a_stopped_labeller_leaves_no_temporary_file(fake_machine, setup_dir, tm
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
     assert os.listdir(features) == ["nvcontainer"]
+
+
+# Kubernetes' label value: at most 63, letters and digits at the ends, -_. inside (or empty)
+LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+
+
+def test_a_long_machine_type_is_cut_to_a_label_value(fake_machine, setup_dir):
+    """A DMI product name of 70 characters made a ``gpu.machine`` value the API server refuses
+    (and with it the node's whole label update)."""
+    (setup_dir / "long_machine").write_text("  ProLiant XL675d Gen10 Plus (with an eight-way HGX A100 board)"
+                                            " -- rev. 2 \n")
+    done = labels(fake_machine, setup_dir, "longmachine", "", "--now", str(NOW), machine_type="long_machine")
+    assert done.returncode == 0, done.stderr
+    values = dict(line.split("=", 1) for line in done.stdout.splitlines())
+    assert values["nvidia.com/gpu.machine"] == "ProLiant-XL675d-Gen10-Plus-with-an-eight-way-HGX-A100-board"
+    assert all(LABEL_VALUE.fullmatch(v) for v in values.values()), values
+    (setup_dir / "dashes").write_text("--..__--\n")
+    done = labels(fake_machine, setup_dir, "dashes", "", machine_type="dashes")
+    assert "nvidia.com/gpu.machine=unknown\n" in done.stdout
+
+
+@pytest.mark.parametrize("model", ["NVIDIA " + "X" * 70, "NVIDIA H100 80GB HBM3 " + "-" * 50 + " x", "-A100-"])
+@pytest.mark.parametrize("mig", [False, True])
+def test_every_label_value_is_one_kubernetes_takes(model, mig):
+    from nvcontainer.deviceplugin.settings import Settings
+    from nvcontainer.labels.gfd import node_labels
+
+    for settings in (Settings(), Settings(replicas=4), Settings(mig_strategy="single", replicas=2),
+                     Settings(mig_strategy="mixed")):
+        got = node_labels(_inventory(model=model, mig=mig), settings, machine="m" * 100, timestamp=NOW)
+        bad = {k: v for k, v in got.items() if not LABEL_VALUE.fullmatch(v)}
+        assert not bad, bad
+        if settings.replicas > 1 and not mig:
+            assert got["nvidia.com/gpu.product"].endswith("-SHARED")     # the suffix survives the cut

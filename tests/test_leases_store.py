@@ -1,5 +1,7 @@
-"""The lease file: round trip, atomic replacement under the lock, and every hostile or damaged
-file refused with one line (readers) or set aside (writers); liveness from /proc/PID/stat."""
+"""The lease file: round trip, atomic replacement under the lock, every hostile or damaged file
+refused with one line and left where it is (fail closed: no lease granted while it cannot be
+read), one damaged entry kept beside the others and holding GPUs until its container is known to
+have ended, writer and reader sharing one bound; liveness from /proc/PID/stat."""
 
 from __future__ import annotations
 
@@ -49,21 +51,29 @@ def test_unchanged_is_not_rewritten(path):
     (lambda p: open(p, "w").write('{"version": 1, "leases": [{"gpus"'), "truncated"),
     (lambda p: open(p, "w").write('{"leases": []}'), "older version"),
     (lambda p: open(p, "w").write('{"version": 0, "leases": []}'), "older version"),
-    (lambda p: open(p, "w").write('{"version": 1, "leases": [{"gpus": []}]}'), "entry 0 is not a lease"),
     (lambda p: os.symlink("/etc/passwd", p), "a symlink"),
     (lambda p: os.mkfifo(p), "not a regular file"),
     (lambda p: os.truncate(open(p, "w").name, store.MAX_FILE + 1), "more than"),
 ])
-def test_damaged_file_refused_by_readers_and_set_aside_by_writers(path, damage, words):
+def test_damaged_file_is_refused_and_left_where_it_is(path, damage, words):
+    """Fail closed: a file that cannot be read may name GPUs running containers hold, so no writer
+    takes it as empty; each is refused with one line saying what to do."""
     os.makedirs(os.path.dirname(path), mode=0o700)
     damage(path)
-    with pytest.raises(NvcError) as exc:
+    before = os.lstat(path)
+    with pytest.raises(store.Closed) as exc:
         store.load(path)
-    assert words in exc.value.detail and "\n" not in str(exc.value)
+    assert words in exc.value.detail and "\n" not in str(exc.value) and "move it aside" in exc.value.detail
+    with pytest.raises(store.Closed) as exc:
+        store.update(path, lambda old: ((*old, lease()), None))
+    assert words in exc.value.detail
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert not any(n.endswith(".bad") for n in os.listdir(os.path.dirname(path)))
+    assert open("/etc/passwd").read().startswith("root")   # the symlink's target untouched
+    os.rename(path, path + ".moved")                        # what the line says: moved aside, leases resume
     store.update(path, lambda old: ((*old, lease()), None))
     assert store.load(path) == (lease(),)
-    assert os.path.lexists(os.path.join(os.path.dirname(path), store.ASIDE))
-    assert open("/etc/passwd").read().startswith("root")   # the symlink's target untouched
 
 
 def test_newer_version_is_left_alone(path):

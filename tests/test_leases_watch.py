@@ -119,6 +119,25 @@ def test_a_lease_written_wakes_the_watch_at_once_and_nothing_else_does(tmp_path,
         watch.close()
 
 
+def test_a_damaged_file_is_watched_asleep_until_it_is_moved_aside(tmp_path, holder):
+    """Fail closed: a lease file the server cannot read is left where it is; the watch neither
+    gives up nor polls it, and watches the leases again once an operator has moved it aside."""
+    path = tmp_path / "run" / "leases.json"
+    path.parent.mkdir(mode=0o700)
+    path.write_text('{"version": 1, "leases": [{"gpus"')
+    watch = LeaseWatch(str(path))
+    watch.start()
+    try:
+        assert watch.enabled and watch.timeout() is None and len(watch.fds()) == 1
+        assert turn(watch, 0.3) == [] and path.read_text().startswith('{"version": 1')
+        os.rename(path, str(path) + ".moved")
+        assert turn(watch)                                           # the move is an event
+        take(path, holder)
+        assert turn(watch) and list(watch.watched.values()) == [(holder.pid, liveness.start_time(holder.pid))]
+    finally:
+        watch.close()
+
+
 def test_a_pending_lease_wakes_the_watch_when_it_expires(tmp_path):
     """The shim's pending lease (no init yet) is the one thing the watch waits for with a timer:
     it is released when :data:`PENDING_S` have passed, not at the next event."""

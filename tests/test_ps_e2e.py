@@ -76,7 +76,7 @@ def machine(private_machine):
 
 DOCKER_ID = "ab" * 32
 GPU_KEYS = {"index", "minor", "uuid", "model", "utilization", "memory_utilization", "containers", "host_processes"}
-CONTAINER_KEYS = {"id", "name", "engine", "pid", "how", "running", "evidence", "memory", "processes"}
+CONTAINER_KEYS = {"id", "name", "command", "engine", "pid", "how", "running", "evidence", "memory", "processes"}
 PROCESS_KEYS = {"pid", "command", "memory", "sm", "kinds"}
 
 

@@ -53,7 +53,8 @@ def test_two_replicas_of_gpu_0_get_its_daemon_pipe_shm_and_limits():
         assert envs["CUDA_MPS_PIPE_DIRECTORY"] == "/mps/nvidia.com/gpu/pipe"
         assert envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
         assert {(m.container_path, m.host_path) for m in answer.mounts} == {
-            ("/mps/nvidia.com/gpu/pipe", f"/r/mps/nvidia.com/gpu/{TWO.gpus[0].uuid}/pipe"), ("/dev/shm", "/r/mps/shm")}
+            ("/mps/nvidia.com/gpu/pipe", f"/r/mps/nvidia.com/gpu/{TWO.gpus[0].uuid}/pipe"),
+            ("/dev/shm", f"/r/mps/nvidia.com/gpu/{TWO.gpus[0].uuid}/shm")}
     with pytest.raises(LookupError):
         k8s.mps_allocation(TWO, table, replica=2)
 
@@ -66,7 +67,8 @@ def test_the_allocation_replaces_the_spec_s_shm_and_variable():
     assert [e for e in spec["process"]["env"] if e.startswith("NVIDIA_VISIBLE_DEVICES=")] == \
         [f"NVIDIA_VISIBLE_DEVICES={TWO.gpus[0].uuid}"]
     shm = [m for m in spec["mounts"] if m["destination"] == "/dev/shm"]
-    assert shm == [{"destination": "/dev/shm", "source": "/run/nvidia/mps/shm", "type": "bind",
+    assert shm == [{"destination": "/dev/shm", "source": f"/run/nvidia/mps/nvidia.com/gpu/{TWO.gpus[0].uuid}/shm",
+                    "type": "bind",
                     "options": ["rbind", "rw"]}]
 
 
@@ -211,7 +213,7 @@ def test_the_mps_step_on_the_fake_machine(inv, tmp_path, monkeypatch):
         assert f"NVIDIA_VISIBLE_DEVICES={uuid}" in spec["process"]["env"]
         assert "CUDA_MPS_PIPE_DIRECTORY=/mps/nvidia.com/gpu/pipe" in spec["process"]["env"]
         assert {(m["destination"], m["source"]) for m in spec["mounts"]} == {
-            ("/mps/nvidia.com/gpu/pipe", pipe), ("/dev/shm", f"{tmp_path}/mps/shm")}
+            ("/mps/nvidia.com/gpu/pipe", pipe), ("/dev/shm", pipe[:-len("pipe")] + "shm")}
         assert spec["hooks"]["prestart"][0]["args"] == ["nvcontainer-hook", "prestart"]
     assert len(out["clients"]) == 2 and out["control_log"]
     assert out["daemon_exit"] == 0 and not out["pipe_left"], out["daemon_stderr"]
@@ -303,3 +305,26 @@ def test_the_timing_and_concurrent_steps_end_in_issue_27_s_table(inv, tmp_path):
     realgpu.Node.issue27(node)
     ratios = [r for r in node.report["issue27"] if r["unit"] == "x"]
     assert len(ratios) == 5 and all(r["met"] == targets.NO_NVIDIA for r in ratios)
+
+
+def test_the_dra_step_runs_nvidia_s_mps_demo_and_gpu_test5(inv, tmp_path, monkeypatch):
+    """Two clients of the claim's MPS GPU under its limits; the time-sliced GPU's container of the
+    same claim gets no MPS variable and no MPS mount."""
+    machine, _ = inv
+    monkeypatch.setattr(k8s, "CLIENT_WAIT", 0.5)      # the stand-in lists no servers or clients
+    node = FakeNode(machine, tmp_path)
+    node.run_step(k8s.dra, tmp_path / "image")
+    out = node.report["dra"]["mps"]
+    assert out["prepare"][0] == "", out
+    specs = {label: json.loads(r["stdout"]) for label, r in out["clients"].items()}
+    assert set(specs) == {"mps-1", "mps-2", "time-sliced"}
+    for label in ("mps-1", "mps-2"):
+        env = specs[label]["process"]["env"]
+        assert {"CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M"} <= set(env)
+        assert {"/tmp/nvidia-mps", "/dev/shm"} <= {m["destination"] for m in specs[label]["mounts"]}
+    ts = specs["time-sliced"]
+    assert not [e for e in ts["process"]["env"] if e.startswith("CUDA_MPS")]
+    assert not [m for m in ts["mounts"] if m["destination"] in ("/tmp/nvidia-mps",) or "gpu.nvidia.com/mps" in
+                m.get("source", "")]
+    assert out["unprepare"] == {"0000-realgpu-mps": ""}

@@ -256,6 +256,20 @@ def test_hostile_specs_are_one_line(two, spec, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("depth", [300, 600, 800, 900, 950, 990, 100_000])
+def test_a_deep_spec_is_edited_or_one_line(two, depth):
+    """A field nested as deep as the parser takes, or deeper: edited (its compare and write
+    back take what the parse took), or one line (issue 35: every parse's failures one line)."""
+    spec = (b'{"ociVersion": "1", "root": {"path": "r"}, "process": {"env": ["NVIDIA_VISIBLE_DEVICES=0"]}, '
+            b'"x-deep": ' + b"[" * depth + b"]" * depth + b"}")
+    try:
+        result = edit.edit(spec, "/b", Config(), Machine(two[1]))
+    except NvcError as err:
+        assert "nested too deeply" in str(err) and "\n" not in str(err)
+    else:
+        assert result.data is None or json.loads(result.data)["linux"]["devices"]
+
+
 # --- CDI mode --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

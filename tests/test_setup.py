@@ -156,7 +156,7 @@ def test_docker_path_link_is_skipped_when_ours_is_on_path_already(tmp_path):
     assert not [c for c in s.changes if hasattr(c, "target")]
 
 
-@pytest.mark.parametrize("text, fault", [('{"runtimes": {', "not valid JSON: Expecting"), ("[1]", "not a JSON object"),
+@pytest.mark.parametrize("text, fault", [('{"runtimes": {', "invalid JSON: Expecting"), ("[1]", "not a JSON object"),
                                          ('{"runtimes": 3}', "runtimes is not a JSON object")])
 def test_a_bad_daemon_json_is_one_line_and_nothing_changes(tmp_path, text, fault):
     daemon = tmp_path / "etc/docker/daemon.json"

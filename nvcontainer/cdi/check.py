@@ -22,7 +22,7 @@ from .store import SpecFile
 
 MAX_SHOWN = 12
 _COMMENT = re.compile(rf"^#\s*{re.escape(DRIVER_COMMENT)}\s*(\S+)\s*$", re.M)
-_LIBRARY_VERSION = re.compile(r"/lib(?:cuda|nvidia-ml)\.so\.(\d+\.\d+(?:\.\d+)?)$")
+_LIBRARY_VERSION = re.compile(r"/lib(?:cuda|nvidia-ml)\.so\.([0-9]+\.[0-9]+(?:\.[0-9]+)?)\Z")
 _GPU_NODE = re.compile(r"/dev/nvidia(\d+)")
 # Specs that hold some of the node's GPUs by design, so a GPU missing from them is no sign of
 # age: the DRA driver's one spec per prepared claim (its vendor and class are NVIDIA's).

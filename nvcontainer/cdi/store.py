@@ -12,11 +12,11 @@ the same name defined twice at the same priority is a conflict that makes it unr
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import stat
 
+from ..documents import json_value
 from ..errors import NvcError, escape
 from ..records import record
 from . import yamltext
@@ -103,10 +103,7 @@ def _sync_dir(directory: str) -> None:
 def parse_text(text: str, path: str) -> dict:
     """A spec from its text: JSON for ``.json`` files or text that starts with ``{``, else YAML."""
     if path.endswith(".json") or text.lstrip().startswith("{"):
-        try:
-            data = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise NvcError("cdi", f"{escape(path)}: invalid JSON: {escape(exc)}") from None
+        data = json_value(text, escape(path), cap=MAX_SPEC, category="cdi")
     else:
         data = yamltext.load(text, escape(path))
     return validate(data, escape(path))

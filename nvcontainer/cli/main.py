@@ -15,7 +15,8 @@ import click
 
 from .. import __version__, log
 from ..errors import NvcError, escape
-from . import cdi, config, configure, deviceplugin, doctor, dradriver, info, labels, mpsdaemon, ps, serve, setup, volume
+from . import (cdi, config, configure, deviceplugin, doctor, dradriver, info, install, labels, mpsdaemon, ps, serve,
+               setup, volume)
 from .context import PROG, open_run
 from .list import list_
 
@@ -39,7 +40,7 @@ def cli(ctx: click.Context, root, ldcache, debug, user, config_path, load_kmods,
 
 for command in (info.info, list_, configure.configure, cdi.cdi, doctor.doctor, serve.serve,
                 deviceplugin.device_plugin, dradriver.dra_driver, labels.labels, mpsdaemon.mps_daemon,
-                volume.volume, setup.setup, config.config, ps.ps):
+                volume.volume, setup.setup, config.config, ps.ps, install.install):
     cli.add_command(command)
 
 

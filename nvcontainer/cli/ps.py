@@ -25,7 +25,7 @@ def ps(obj: Context, as_json: bool, gpu: str | None) -> None:
         raise NvcError("input", f"--gpu: no GPU {escape(gpu)} on this node (an index or a UUID)")
     leases, problem = gather.lease_facts(obj.config)
     if problem:
-        sys.stderr.write(f"nvcontainer: warning: leases not shown: {problem}\n")
+        sys.stderr.write(f"nvcontainer: warning: {problem}\n")
     view = gather.snapshot(obj.config, inv, leases)
     if gpu is not None:
         view = select_gpu(view, gpu)

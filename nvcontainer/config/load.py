@@ -28,6 +28,7 @@ import errno
 import os
 import stat
 
+from ..documents import toml_value
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
 from ..records import replace
@@ -89,12 +90,7 @@ class _Reader:
 
 
 def parse(text: str, source: str = "config") -> Config:
-    import tomllib   # here, not at the top: most hosts have no file, and the hook starts faster
-
-    try:
-        data = tomllib.loads(text)
-    except (tomllib.TOMLDecodeError, RecursionError) as exc:
-        raise NvcError("config", f"{escape(source)}: {escape(exc)}") from None
+    data = toml_value(text, escape(source), cap=CONFIG_CAP, category="config")   # imports tomllib: only now
     reader = _Reader(source)
     reader.table("", data)
     return Config(**reader.values, source=source, origins=tuple((name, source) for name in reader.values),

@@ -18,9 +18,6 @@ from ..inventory import topology
 from ..kubelet.report import Reporter
 from . import devices, mps, settings as settings_module
 
-NVML_PREFIX = "libnvidia-ml.so"
-
-
 def run(config, **overrides) -> None:
     """Serve until SIGTERM/SIGINT. ``overrides``: command-line values for settings keys (None:
     not given)."""
@@ -49,7 +46,7 @@ def run(config, **overrides) -> None:
             reporter.say(line)
 
     from .agent import serve
-    from .monitor import Monitor
+    from ..health.monitor import Monitor, nvml_library
     from .state import PluginState
 
     async def main() -> None:
@@ -83,14 +80,6 @@ def run(config, **overrides) -> None:
                 mps_watch.cancel()
 
     asyncio.run(main())
-
-
-def nvml_library(inv) -> str | None:
-    """The host path of the NVML library the inventory chose (the running driver's version)."""
-    for lib in inv.libraries:
-        if lib.name == NVML_PREFIX:
-            return os.path.join(inv.root, lib.path.lstrip("/"))
-    return None
 
 
 def _say_changes(reporter: Reporter, inv, before: dict, after: dict) -> None:

@@ -31,7 +31,7 @@ VENDOR = "nvidia.com"
 GPU_RESOURCE = f"{VENDOR}/gpu"
 REPLICA_SEPARATOR = "::"
 MAX_ID = 63                     # Device.ID's limit in the API
-_PROFILE = re.compile(r"MIG ([0-9A-Za-z][0-9A-Za-z.+_-]{0,40})$")
+_PROFILE = re.compile(r"MIG ([0-9A-Za-z][0-9A-Za-z.+_-]{0,40})\Z")   # \Z: "$" also matches before a final "\n"
 
 
 @record

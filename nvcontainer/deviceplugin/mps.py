@@ -24,9 +24,14 @@ What NVIDIA's plugin does, and where this differs:
 
 Layout under ``mps-root`` (the same path in both containers and on the host)::
 
-    <mps-root>/shm/                                 tmpfs, every client's and server's /dev/shm
     <mps-root>/<resource>/<GPU uuid>/pipe/          CUDA_MPS_PIPE_DIRECTORY (holds ``control``)
     <mps-root>/<resource>/<GPU uuid>/log/           CUDA_MPS_LOG_DIRECTORY
+    <mps-root>/<resource>/<GPU uuid>/shm/           this daemon's /dev/shm and its clients' (1777)
+
+Why a /dev/shm per daemon (NVIDIA shares one ``<mps-root>/shm`` among every daemon and every
+client on the node): pods of different tenants on different GPUs would see each other's shared
+memory. The daemon is started in a mount namespace of its own with its ``shm/`` bound on
+/dev/shm (:class:`~nvcontainer.mps.control.Control`), and only its GPU's clients get it.
     <mps-root>/<resource>/<GPU uuid>/.ready         the daemon's marker, written once it is set up
 """
 
@@ -35,7 +40,7 @@ from __future__ import annotations
 import json
 
 from ..errors import NvcError, escape
-from ..kubelet.mpscontrol import (BINARY as CONTROL_BINARY, CONTROL, MEMORY_ENV, PIPE_ENV, PROBE, QUIT,  # noqa: F401
+from ..mps.control import (BINARY as CONTROL_BINARY, CONTROL, MEMORY_ENV, PIPE_ENV, PROBE, QUIT,  # noqa: F401
                                   Paths, THREADS_ENV, daemon_env as _daemon_env)
 from ..records import record
 from .devices import Resource
@@ -150,8 +155,8 @@ def client_env(share: Share) -> dict[str, str]:
 
 def client_mounts(share: Share, mps_root: str) -> tuple[tuple[str, str], ...]:
     """(container path, host path) of each mount a container gets: its GPU's pipe directory
-    and the daemon's /dev/shm."""
-    return ((client_pipe(share), share.pipe), (CONTAINER_SHM, f"{mps_root}/{SHM}"))
+    and its GPU's daemon's own /dev/shm."""
+    return ((client_pipe(share), share.pipe), (CONTAINER_SHM, share.shm))
 
 
 def marker(share: Share) -> str:

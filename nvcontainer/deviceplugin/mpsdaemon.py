@@ -23,8 +23,8 @@ import signal
 
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
-from ..kubelet import mpscontrol
-from ..kubelet.mpscontrol import control_binary, owned_dir as _owned_dir, write_atomic
+from ..mps import control as mpscontrol
+from ..mps.control import control_binary, owned_dir as _owned_dir, write_atomic
 from ..kubelet.report import Reporter
 from . import devices, mps, settings as settings_module
 
@@ -34,11 +34,11 @@ SHM_FALLBACK_KIB = 65536
 
 class Daemon:
     """One GPU's control daemon, as :mod:`.mps` describes it, run by the shared
-    :class:`~nvcontainer.kubelet.mpscontrol.Control`, with a readiness marker of its own."""
+    :class:`~nvcontainer.mps.control.Control`, with a readiness marker of its own."""
 
     def __init__(self, share: mps.Share, binary: str, deadline: float):
         self.share = share
-        self.control = mpscontrol.Control(share.name, share.directory, share.uuid, binary, deadline)
+        self.control = mpscontrol.Control(share.name, share.directory, share.uuid, binary, deadline, shm=True)
 
     def tell(self, command: str) -> str:
         """'' when the daemon took ``command``, else why not."""
@@ -181,7 +181,6 @@ def run(config, interval: float | None = None, shm: bool = False) -> None:
         if line:
             reporter.say(line)
     _owned_dir(settings.mps_root)
-    _owned_dir(f"{settings.mps_root}/{mps.SHM}", 0o1777)
     supervisor = Supervisor([Daemon(s, binary, config.deadline) for s in shares], reporter,
                             interval or DEFAULT_INTERVAL)
     read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)

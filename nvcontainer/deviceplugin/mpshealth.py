@@ -16,7 +16,7 @@ import os
 
 from ..errors import escape
 from ..fs.bounded import read_at_most
-from ..kubelet.mpscontrol import is_pipe
+from ..mps.control import is_pipe
 from . import mps
 
 POLL = 1.0

@@ -254,7 +254,7 @@ def _leases(f: Facts) -> Check:
     where = escape(f.lease_file)
     if f.lease_error:
         return Check("leases", WARN, f"{where} cannot be read: {escape(f.lease_error)}",
-                     "the next lease request sets it aside and starts a fresh one")
+                     "no GPU is leased until it can be: move it aside once the containers it names have ended")
     stale = [lease for lease in f.leases if not lease.alive]
     if stale:
         names = "; ".join(f"container {escape(lease.container[:12])} "

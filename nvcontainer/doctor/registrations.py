@@ -13,10 +13,10 @@ program it is: a program is nvcontainer's when it is one of its names or sits be
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 from .. import log
+from ..documents import json_value, toml_value
 from ..errors import NvcError, escape
 from ..inventory.catalog import DEFAULT_PATH
 from ..native.build import NAME as NATIVE_CLIENT
@@ -73,24 +73,22 @@ def provider(etc: str, program: object) -> str | None:
 def _hooks_d_entry(etc: str, text: str | None) -> str | None:
     """What an OCI hooks.d JSON file registers, if it is a GPU hook."""
     try:
-        hook = json.loads(text or "null")["hook"]
+        hook = json_value(text or "null", "hooks.d entry", cap=CONFIG_CAP)["hook"]
         path, args = hook["path"], hook.get("args") or []
         native = isinstance(path, str) and os.path.basename(path) == NATIVE_CLIENT
         if native or any(isinstance(a, str) and a.endswith(PYTHON_CLIENTS) for a in args):
             return f"nvcontainer hook {path} (client of nvcontainer serve)"
         who = provider(etc, path)
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (NvcError, ValueError, TypeError, KeyError, AttributeError):
         return None
     return f"{who} hook {path}" if who else None
 
 
 def _toml(path: str, text: str | None) -> dict:
-    import tomllib
-
     try:
-        return tomllib.loads(text or "")
-    except tomllib.TOMLDecodeError as exc:
-        log.warning(f"{escape(path)}: not valid TOML: {escape(str(exc), 200)}")
+        return toml_value(text or "", escape(path), cap=CONFIG_CAP)
+    except NvcError as exc:
+        log.warning(f"not valid TOML: {exc.detail}")
         return {}
 
 
@@ -107,7 +105,7 @@ def _docker(etc: str) -> list[tuple[str, str, str]]:
     path = "/etc/docker/daemon.json"
     found = []
     try:
-        doc = json.loads(_read(_at(etc, path)) or "null") or {}
+        doc = json_value(_read(_at(etc, path)) or "null", path, cap=CONFIG_CAP) or {}
         runtimes = doc.get("runtimes") or {}
         default = doc.get("default-runtime")
         for name, r in runtimes.items():
@@ -117,7 +115,7 @@ def _docker(etc: str) -> list[tuple[str, str, str]]:
                 found.append(("docker", f"{who} runtime '{name}' ({r.get('path')}{extra})", path))
         if (doc.get("features") or {}).get("cdi") is True:
             found.append(("docker", "CDI devices (features.cdi)", path))
-    except (ValueError, AttributeError):
+    except (NvcError, ValueError, AttributeError):
         pass
     gpus = _on_path(etc, "nvidia-container-runtime-hook")
     if gpus:

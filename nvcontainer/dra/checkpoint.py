@@ -23,6 +23,7 @@ import os
 import stat
 
 from ..cdi import store
+from ..documents import json_value
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
 from . import claimspec
@@ -78,10 +79,7 @@ def _read(path: str) -> dict[str, dict]:
         os.close(fd)
     if more:
         raise NvcError("input", f"{escape(path)}: larger than {MAX_BYTES} bytes")
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
-        raise NvcError("input", f"{escape(path)}: not JSON (truncated?)") from None
+    doc = json_value(data, escape(path), cap=MAX_BYTES)
     if not isinstance(doc, dict) or doc.get("version") != VERSION or not isinstance(doc.get("claims"), dict):
         raise NvcError("input", f"{escape(path)}: not a version {VERSION} checkpoint")
     claims = doc["claims"]
@@ -114,7 +112,7 @@ def check_entry(uid, entry) -> str | None:
         if not all(isinstance(device[k], str) for k in ("request", "pool", "device", "uuid", "shareID")):
             return "a device's names are not text"
         if not isinstance(device["sharing"], dict) or not all(isinstance(device["sharing"].get(k, ""), str)
-                                                             for k in ("kind", "strategy", "interval")):
+                                                             for k in ("kind", "strategy", "interval", "group")):
             return "a device's sharing settings are of another shape"
     return None
 

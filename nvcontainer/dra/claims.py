@@ -32,6 +32,7 @@ class Unit:
     sharing: opaque.Sharing = opaque.Sharing()
     share_id: str = ""                # the result's shareID (a consumable-capacity share), if any
     admin: bool = False               # allocated with adminAccess (may share a device another claim holds)
+    group: str = ""                   # the config entry that gave ``sharing`` ("config[2]"), "" for none
 
     @property
     def uuid(self) -> str:
@@ -101,12 +102,33 @@ def resolve(claim: dict, namespace: str, name: str, uid: str, node: str, table: 
         except NvcError as exc:
             raise NvcError("input", f"claim {label}: {exc.detail}") from None
         share = result.get("shareID") or ""
+        group = next((e.where for e in configs if e.sharing is sharing), "")
         units.append(Unit(request, device, gpu, mig, sharing, share if isinstance(share, str) else "",
-                          result.get("adminAccess") is True))
-    uuids = [u.uuid for u in units]
+                          result.get("adminAccess") is True, group))
+    _check_groups(units, label)
+    return Claim(namespace, name, uid, node, tuple(units))
+
+
+def group_uuids(units, group: str) -> list[str]:
+    """The devices of one configuration group, in the claim's order, each once: what a
+    per-device limit's index counts (NVIDIA: the config's own devices, not the claim's)."""
+    return list(dict.fromkeys(u.uuid for u in units if u.group == group))
+
+
+def _check_groups(units, label: str) -> None:
+    """A device is in one configuration group (one sharing, one MPS daemon): a device allocated
+    for two requests that two different configurations name is refused; per-device limits name
+    a device of their own group."""
+    seen: dict[str, Unit] = {}
+    for unit in units:
+        first = seen.setdefault(unit.uuid, unit)
+        if first.group != unit.group:
+            raise NvcError("input", f"claim {label}: device {escape(unit.device, 80)} is in two configuration "
+                                    f"groups ({first.group or 'none'} for request {escape(first.request, 80)}, "
+                                    f"{unit.group or 'none'} for request {escape(unit.request, 80)}): a device is "
+                                    "shared one way")
     for unit in units:
         try:
-            opaque.check_devices(unit.sharing, uuids, "mpsConfig")
+            opaque.check_devices(unit.sharing, group_uuids(units, unit.group), f"{unit.group}: mpsConfig")
         except NvcError as exc:
             raise NvcError("input", f"claim {label}: {exc.detail}") from None
-    return Claim(namespace, name, uid, node, tuple(units))

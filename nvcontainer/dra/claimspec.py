@@ -25,6 +25,7 @@ import re
 
 from ..cdi import generate, yamltext
 from ..cdi.spec import Spec
+from ..documents import json_value
 from ..errors import NvcError, escape
 from ..records import replace
 from ..request.selection import AllowList
@@ -35,13 +36,14 @@ KIND = f"{VENDOR}/{CLASS}"
 PREFIX = f"{VENDOR}-{CLASS}_"
 SUFFIX = ".yaml"
 RECORD = "nvcontainer-dra-claim:"
-_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,62}$")
+MAX_RECORD = 1 << 16
+_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")   # whole: fullmatch ("x\n" passed ^...$)
 
 
 def check_uid(uid: str) -> str:
     """Claim UIDs are Kubernetes UIDs (RFC 4122 text); anything else is refused before it
     becomes part of a file or device name."""
-    if not isinstance(uid, str) or not _UID.match(uid):
+    if not isinstance(uid, str) or not _UID.fullmatch(uid):
         raise NvcError("input", f"claim UID {escape(str(uid), 80)}: not a UID")
     return uid
 
@@ -54,7 +56,7 @@ def uid_of(name: str) -> str | None:
     """The claim UID a spec file of ours is named for, or None for any other file."""
     if name.startswith(PREFIX) and name.endswith(SUFFIX):
         uid = name[len(PREFIX):-len(SUFFIX)]
-        return uid if _UID.match(uid) else None
+        return uid if _UID.fullmatch(uid) else None
     return None
 
 
@@ -91,8 +93,8 @@ def record_of(text: str) -> dict | None:
         line = line.lstrip("# ").rstrip()
         if line.startswith(RECORD):
             try:
-                entry = json.loads(line[len(RECORD):])
-            except ValueError:
+                entry = json_value(line[len(RECORD):], "record", cap=MAX_RECORD)
+            except NvcError:
                 return None
             return entry if isinstance(entry, dict) else None
     return None

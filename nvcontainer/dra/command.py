@@ -16,6 +16,8 @@ import os
 from .. import log
 from ..errors import NvcError, escape
 
+DAEMON_CHECK = 10.0        # how often the claims' MPS daemons are asked whether they answer
+
 
 def device_table(inv, allow) -> dict:
     """DRA device name → (gpu, mig) for the devices this node offers (those its slices publish)."""
@@ -65,6 +67,12 @@ def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_di
         def new_inventory(now) -> None:
             preparer.inv, preparer.table = now, device_table(now, allow(now))
 
+        async def watch_daemons() -> None:
+            while True:
+                await asyncio.sleep(DAEMON_CHECK)
+                await preparer.check_daemons()
+
+        daemons = asyncio.create_task(watch_daemons())
         slices = asyncio.create_task(keep_published(
             config, api, node_name, inv, allow=allow, taint=taint, sysfs=sysfs, say=reporter.say,
             on_health=preparer.set_unhealthy, on_inventory=new_inventory))
@@ -72,7 +80,8 @@ def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_di
             await serve(preparer, names.DRIVER, registrar_dir, plugins_dir, reporter)
         finally:
             slices.cancel()
-            await asyncio.gather(slices, return_exceptions=True)
+            daemons.cancel()
+            await asyncio.gather(slices, daemons, return_exceptions=True)
 
     try:
         asyncio.run(main())

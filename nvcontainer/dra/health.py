@@ -4,21 +4,23 @@ Why reuse and not a copy: what counts as unhealthy (critical XIDs but not the ap
 ``ignore-xids``, recovery after ``xid-recovery-seconds``, a lost GPU, a driver that stops
 answering) must not differ between the two ways a node offers its GPUs, and the watcher is the
 one process that holds NVML (a child program; this threaded process never loads it). So this is
-the one module of ``dra/`` that imports ``deviceplugin/`` (an exception the layers contract in
-pyproject.toml names), and the settings are the ``[device-plugin]`` table's health keys.
+below both plugins (:mod:`nvcontainer.health`); the settings are the ``[device-plugin]``
+table's health keys, parsed by the device plugin's settings (the one import of ``deviceplugin/``
+from ``dra/``, its settings only, which the layers contract in pyproject.toml names).
 """
 
 from __future__ import annotations
 
 from ..deviceplugin import settings as plugin_settings
-from ..deviceplugin.command import nvml_library
-from ..deviceplugin.monitor import Monitor
+from ..health.monitor import nvml_library
+from ..health.monitor import Monitor
 from ..inventory.identity import parse_user
 
 
-def monitor(config, inv, publish, say):
-    """A :class:`~nvcontainer.deviceplugin.monitor.Monitor` calling ``publish({UUID: why})`` on
+def monitor(config, inv, publish, say, on_unmonitored=None):
+    """A :class:`~nvcontainer.health.monitor.Monitor` calling ``publish({UUID: why})`` on
     every change of verdict, or None (said why) when health checks are off or NVML is absent.
+    ``on_unmonitored(why)``: the driver's NVML has no event API (every device kept, unwatched).
     Run it with ``asyncio.create_task(m.run())``; end it with ``await m.close(task)``."""
     settings = plugin_settings.parse(config.device_plugin)
     if not settings.health_checks:
@@ -29,4 +31,4 @@ def monitor(config, inv, publish, say):
         say("no NVML library in the inventory: health checks are off")
         return None
     return Monitor(inv, library, settings, parse_user(config.user), publish, lambda _topology: None, say,
-                   start_timeout=config.deadline)
+                   start_timeout=config.deadline, on_unmonitored=on_unmonitored)

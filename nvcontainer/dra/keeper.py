@@ -74,9 +74,16 @@ class _Health:
         if self.also is not None:
             self.also(dict(bad))
 
+    def unmonitored(self, inv, why: str) -> None:
+        """No health events from this driver: every device stays; under ``--taint-unhealthy``
+        each carries NVIDIA's ``unmonitored`` taint (the slices only: prepare refuses nothing)."""
+        if self.loop.publisher.taint:
+            self.loop.health({u: f"unmonitored ({why})" for g in inv.gpus for u in (g.uuid, *(m.uuid for m in g.migs))})
+
     def start(self, inv) -> None:
         self.publish({})
-        self.monitor = health.monitor(self.config, inv, self.publish, self.say)
+        self.monitor = health.monitor(self.config, inv, self.publish, self.say,
+                                      on_unmonitored=lambda why: self.unmonitored(inv, why))
         if self.monitor is not None:
             self.task = asyncio.create_task(self.monitor.run())
 

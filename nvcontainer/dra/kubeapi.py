@@ -15,6 +15,15 @@ a dead API server while the GPUs' health changes. Every attempt has its own time
 that may pass (no connection, a timeout, 429, 5xx) are retried with a doubling pause, and
 nothing goes on past the ``deadline`` the caller passes (a :func:`time.monotonic` value). A
 failure is one :class:`NvcError` line naming the call and the last reason.
+
+Why the deadline reaches every socket operation (:mod:`.deadline`): httpx's timeouts are per
+read, so a server that trickles its answer a byte a second kept a call with a 3 s deadline
+reading for as long as it liked, and seven such claims held every worker thread of the plugin.
+Each connect, write and read is given what is left of the call's deadline at most. And a body is
+read to MAX_BODY bytes and no further (a fast 128 MiB answer was read whole), uncompressed
+(asked so: a small gzip answer can inflate without bound), and parsed by the one bounded JSON
+reader (:mod:`nvcontainer.documents`): an answer that is not a JSON object of the kind asked
+for (an HTML page from a proxy, an array) is refused with a line, not taken for a claim.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ import random
 import re
 import time
 
+from .. import documents
 from ..errors import NvcError, escape
+from . import deadline as bounded
 from .names import DRIVER
 
 GROUP = "resource.k8s.io"
@@ -34,6 +45,9 @@ DEFAULT_BUDGET = 30.0                           # a call, when the caller gives 
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 2.0
 RETRIED = frozenset({408, 429, 500, 502, 503, 504})
+MAX_BODY = 3 << 20          # bytes of one answer: etcd keeps an object of 1.5 MiB at most, the API server takes 3 MiB
+PAGE = 500                  # slices a list page asks for (this node's, this driver's: a few)
+CHUNK = 1 << 16
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -64,9 +78,10 @@ def load_config(kubeconfig: str | None = None, *, service_account: str | None = 
         if service_account is not None:
             return KubeConfig.from_service_account(service_account)
         return KubeConfig.from_env()
-    except (ConfigError, YAMLError, OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
+    except (ConfigError, YAMLError, OSError, KeyError, ValueError, TypeError, AttributeError, RecursionError) as exc:
         where = escape(kubeconfig or service_account or os.environ.get("KUBECONFIG", "in-cluster"), 120)
-        raise NvcError("kubernetes", f"kubeconfig {where}: {_why(exc)}") from None
+        why = "nested too deeply" if isinstance(exc, RecursionError) else _why(exc)
+        raise NvcError("kubernetes", f"kubeconfig {where}: {why}") from None
 
 
 class KubeApi:
@@ -84,6 +99,7 @@ class KubeApi:
         except Exception as exc:    # lightkube's configuration errors come in many types
             raise NvcError("kubernetes", f"client configuration: {_why(exc)}") from None
         self._generic = self._client._client       # lightkube's request builder (public methods)
+        bounded.install(self._generic._client)     # every socket operation within the call's deadline
         self.server = escape(self._generic.config.cluster.server, 120)
         self.version: str | None = None
 
@@ -105,7 +121,7 @@ class KubeApi:
             if status == 404 and _unserved(body):
                 continue
             self.version = version
-            return self._checked(what, status, body)
+            return self._checked(what, status, body, kind="ResourceClaim")
         raise NvcError("kubernetes", f"{what}: {self.server} serves no {GROUP} version of {', '.join(VERSIONS)}")
 
     # -- the node ----------------------------------------------------------------------------
@@ -118,7 +134,7 @@ class KubeApi:
         what = f"get node {escape(name, 80)}"
         _named(what, name, _DNS_SUBDOMAIN, "node name")
         status, body = self._call(what, _deadline(deadline), "get", Node, name=name)
-        return self._checked(what, status, body)
+        return self._checked(what, status, body, kind="Node")
 
     # -- slices ----------------------------------------------------------------------------
 
@@ -131,7 +147,7 @@ class KubeApi:
         items: list[dict] = []
         cont = None
         for _ in range(1000):
-            params = {"fieldSelector": selector, "limit": 500, "continue": cont}
+            params = {"fieldSelector": selector, "limit": PAGE, "continue": cont}
             body = self._slices_call(what, deadline, "list", params=params)
             items.extend(as_v1(i) for i in body.get("items") or () if isinstance(i, dict) and _mine(i, node, driver))
             cont = (body.get("metadata") or {}).get("continue")
@@ -179,13 +195,50 @@ class KubeApi:
             return
         yield from VERSIONS
 
-    def _checked(self, what: str, status: int, body) -> dict:
+    def _checked(self, what: str, status: int, body, kind: str | None = None) -> dict:
         if 200 <= status < 300:
-            return body if isinstance(body, dict) else {}
+            if not isinstance(body, dict):
+                raise NvcError("kubernetes", f"{what}: {self.server} answered {status} with a JSON "
+                                             f"{type(body).__name__}, not an object")
+            if kind is not None and body.get("kind") != kind:
+                raise NvcError("kubernetes", f"{what}: {self.server} answered {status} with kind "
+                                             f"{escape(repr(body.get('kind')), 60)}, not {kind}")
+            return body
         message = body.get("message") if isinstance(body, dict) else ""
         if status == 404:
             raise NvcError("kubernetes", f"{what}: not found")
         raise NvcError("kubernetes", f"{what}: {self.server} answered {status}: {escape(message or '', 200)}")
+
+    def _body(self, what: str, response) -> bytes:
+        """The answer's bytes, MAX_BODY at most, as sent (no content coding)."""
+        coding = response.headers.get("content-encoding", "identity").strip().lower()
+        if coding not in ("", "identity"):
+            raise NvcError("kubernetes", f"{what}: {self.server} answered in {escape(coding, 40)} coding, "
+                                         "though none was asked")
+        length = response.headers.get("content-length", "")
+        if length.isascii() and length.isdigit() and len(length) < 20 and int(length) > MAX_BODY:
+            raise NvcError("kubernetes", f"{what}: {self.server}'s answer is larger than {MAX_BODY} bytes "
+                                         f"({escape(length, 20)})")
+        chunks, size = [], 0
+        for chunk in response.iter_raw(CHUNK):
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise NvcError("kubernetes", f"{what}: {self.server}'s answer is larger than {MAX_BODY} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _parsed(self, what: str, status: int, data: bytes):
+        """A success's body: JSON, within bounds, or a line; a failure's: its Status when it is
+        one (its message is shown), else nothing to show."""
+        if not data:
+            return {}
+        if 200 <= status < 300:
+            return documents.json_value(data, f"{what}: {self.server}'s answer", cap=MAX_BODY,
+                                        category="kubernetes")
+        try:
+            return documents.json_value(data, "answer", cap=MAX_BODY)
+        except NvcError:
+            return {"message": "a body that is not JSON"}
 
     def _call(self, what: str, deadline: float, method: str, res, *, obj=None, name=None, namespace=None,
               params=None) -> tuple[int, object]:
@@ -205,17 +258,20 @@ class KubeApi:
                 request = self._generic.prepare_request(method, res, obj=obj, name=name, namespace=namespace,
                                                         params=dict(params or {}))
                 request.timeout = httpx2.Timeout(min(self.timeout, max(left, 0.001)))
-                response = self._generic.send(self._generic.build_adapter_request(request))
-                status = response.status_code
-                try:
-                    body = response.json() if response.content else {}
-                except ValueError:
-                    body = {"message": "a body that is not JSON"}
+                outgoing = self._generic.build_adapter_request(request)
+                outgoing.headers["Accept-Encoding"] = "identity"
+                with bounded.until(deadline):
+                    response = self._generic.send(outgoing, stream=True)
+                    try:
+                        status, data = response.status_code, self._body(what, response)
+                    finally:
+                        response.close()
                 if status not in RETRIED:
-                    return status, body
+                    return status, self._parsed(what, status, data)
                 last = f"answered {status}"
             except httpx2.TimeoutException:
-                last = f"no answer in {min(self.timeout, left):g} s"
+                late = time.monotonic() >= deadline
+                last = f"no answer in {min(self.timeout, left):.3g} s" + (" (the call's deadline)" if late else "")
             except (httpx2.NetworkError, httpx2.RemoteProtocolError, OSError) as exc:
                 last = _why(exc)
             except httpx2.HTTPError as exc:      # the request itself is wrong: no retry helps

@@ -35,8 +35,8 @@ MIG_CLASS = "mig.nvidia.com"
 TYPE_GPU = "gpu"
 TYPE_MIG = "mig"
 
-_MIG_NAME = re.compile(r"gpu-(\d+)-mig-(.+)-(\d+)-(\d+)")
-_GPU_NAME = re.compile(r"gpu-(\d+)")
+_MIG_NAME = re.compile(r"gpu-([0-9]+)-mig-(.+)-([0-9]+)-([0-9]+)")   # [0-9]: \d is any script's digit
+_GPU_NAME = re.compile(r"gpu-([0-9]+)")
 _NOT_DNS = re.compile(r"[^a-z0-9-.]")
 
 
@@ -98,7 +98,7 @@ def parse(name: str) -> tuple[int, int | None, int | None]:
         mig = _MIG_NAME.fullmatch(name)
         if mig:
             minor, middle, a, b = int(mig[1]), mig[2], int(mig[3]), int(mig[4])
-            if middle.isdigit():                      # 25.3/25.8: <profile id>-<start>-<size>
+            if middle.isascii() and middle.isdigit():                    # 25.3/25.8: <profile id>-<start>-<size>
                 return minor, int(middle), a
             return minor, a, b
     raise NvcError("device", f"device name {escape(name, 80)}: not a {DRIVER} device name")

@@ -21,6 +21,7 @@ type) wins; naming a request whose device is of the other type is an error.
 
 from __future__ import annotations
 
+import math
 import re
 
 from ..errors import NvcError, escape
@@ -34,9 +35,15 @@ STRATEGIES = ("TimeSlicing", "MPS")
 INTERVALS = ("Default", "Short", "Medium", "Long")
 SOURCES = ("FromClass", "FromClaim")
 MIB = 1 << 20
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE][0-9]+)?$")
-_SUFFIX = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
-           "k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18}
+# Kubernetes' quantity grammar: a signed number, then a binary or decimal SI suffix or a signed
+# decimal exponent ("+1Gi", "1.5Mi", "1500m", "1e9", "5E-3").
+_QUANTITY = re.compile(r"([+-]?)([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)|[eE]([+-]?[0-9]+))?")
+_SUFFIX = {"": (1, 1), "m": (1, 1000), "Ki": (1 << 10, 1), "Mi": (1 << 20, 1), "Gi": (1 << 30, 1),
+           "Ti": (1 << 40, 1), "Pi": (1 << 50, 1), "Ei": (1 << 60, 1), "k": (10 ** 3, 1), "M": (10 ** 6, 1),
+           "G": (10 ** 9, 1), "T": (10 ** 12, 1), "P": (10 ** 15, 1), "E": (10 ** 18, 1)}
+QUANTITY_CHARS = 40        # longer text is no quantity anyone writes
+QUANTITY_MAX = 1 << 63     # 8Ei: past any memory, and Kubernetes' own int64 value
+_EXPONENT_SPAN = 60        # |exponent| past this: the value is past QUANTITY_MAX, or under 1
 
 
 @record
@@ -93,14 +100,17 @@ def entries(configs, driver: str = DRIVER) -> list[Entry]:
 
 def parse(params, where: str = "parameters") -> Sharing:
     """One ``GpuConfig`` or ``MigDeviceConfig`` object."""
-    _object(params, where, ("apiVersion", "kind", "sharing"))
+    if not isinstance(params, dict):
+        raise NvcError("input", f"{where}: not an object")
     if params.get("apiVersion") != API_VERSION:
         raise NvcError("input", f"{where}.apiVersion: {_show(params.get('apiVersion'))}: expected {API_VERSION}")
-    kind = params.get("kind")
+    kind = params.get("kind")          # before the fields: each kind has its own
     if kind in NOT_SUPPORTED:
-        raise NvcError("input", f"{where}.kind: {kind} is not supported by nvcontainer's driver")
+        raise NvcError("input", f"{where}.kind: kind {kind} is not supported by nvcontainer's driver")
     if kind not in KINDS:
-        raise NvcError("input", f"{where}.kind: {_show(kind)}: expected GpuConfig or MigDeviceConfig")
+        raise NvcError("input", f"{where}.kind: kind {_show(kind)} is not supported: expected GpuConfig or "
+                                "MigDeviceConfig")
+    _object(params, where, ("apiVersion", "kind", "sharing"))
     sharing = params.get("sharing")
     if sharing is None:
         return Sharing(kind=KINDS[kind])
@@ -148,31 +158,51 @@ def _mps(mps, where: str, kind: str) -> Sharing:
 
 
 def quantity(value) -> int:
-    """A Kubernetes quantity (``40Gi``, ``512M``, ``1e9``, a number) in bytes, rounded up."""
+    """A Kubernetes quantity (``40Gi``, ``+512M``, ``1e9``, a number) in bytes, rounded up.
+
+    Bounded before it is computed: the text is at most QUANTITY_CHARS long and an exponent
+    is never raised to (``1e10000000`` is ten characters and would be a ten-million-digit
+    integer, computed on the event loop); a value past QUANTITY_MAX either way is refused.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError("not a quantity")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError("negative")
-        return int(-(-value // 1))
-    m = _QUANTITY.match(value.strip())
-    if not m or len(value) > 40:
+    if isinstance(value, float):
+        if not math.isfinite(value) or abs(value) > QUANTITY_MAX:
+            raise ValueError("out of range")
+        return math.ceil(value)
+    if isinstance(value, int):
+        if abs(value) > QUANTITY_MAX:
+            raise ValueError("out of range")
+        return value
+    if len(value) > QUANTITY_CHARS:
         raise ValueError("not a quantity")
-    number, suffix = m.group(1), m.group(2) or ""
+    m = _QUANTITY.fullmatch(value.strip())
+    if not m:
+        raise ValueError("not a quantity")
+    sign, number, suffix, exponent = m.groups()
     whole, _, frac = number.partition(".")
-    if suffix[:1] in ("e", "E"):
-        scale_num, scale_den = 10 ** int(suffix[1:]), 1
-    else:
-        scale_num, scale_den = _SUFFIX[suffix], 1
     numerator = int(whole or "0") * 10 ** len(frac) + int(frac or "0")
-    denominator = 10 ** len(frac) * scale_den
-    return -(-numerator * scale_num // denominator)
+    denominator = 10 ** len(frac)
+    if exponent is not None:
+        power = int(exponent)
+        if numerator and power > _EXPONENT_SPAN:
+            raise ValueError("out of range")
+        power = max(power, -_EXPONENT_SPAN)   # under 1 either way: rounds up to 1 (or 0)
+        scale_num, scale_den = (10 ** power, 1) if power >= 0 else (1, 10 ** -power)
+    else:
+        scale_num, scale_den = _SUFFIX[suffix or ""]
+    amount = -(-numerator * scale_num // (denominator * scale_den))
+    if amount > QUANTITY_MAX:
+        raise ValueError("out of range")
+    return -amount if sign == "-" else amount
 
 
 def _limit(value, where: str) -> int:
     try:
         amount = quantity(value)
-    except ValueError:
+    except ValueError as err:
+        if str(err) == "out of range":
+            raise NvcError("input", f"{where}: {_show(value)}: out of range (at most 8Ei)") from None
         raise NvcError("input", f"{where}: {_show(value)}: not a quantity (e.g. 10Gi)") from None
     if amount < MIB:
         raise NvcError("input", f"{where}: {_show(value)}: must be at least 1Mi")
@@ -200,10 +230,19 @@ def check_devices(sharing: Sharing, uuids: list[str], where: str) -> None:
     """MPS per-device limits must name devices of the claim: an index into ``uuids`` or one of
     them (NVIDIA's driver refuses other keys too)."""
     for key, _ in sharing.per_device_limits:
-        if key in uuids or (key.isdigit() and int(key) < len(uuids)):
+        index = device_index(key)
+        if key in uuids or (index is not None and index < len(uuids)):
             continue
         raise NvcError("input", f"{where}.defaultPerDevicePinnedMemoryLimit: {escape(key, 60)}: names no device "
                                 f"of the claim (an index below {len(uuids)} or a UUID)")
+
+
+def device_index(key: str) -> int | None:
+    """A per-device limit's key as a device index, or None: ASCII digits only (``"²"`` passes
+    ``isdigit`` and then ``int`` raises), and few of them (no claim has a million devices)."""
+    if len(key) <= 6 and key.isascii() and key.isdigit():
+        return int(key)
+    return None
 
 
 def _object(value, where: str, allowed: tuple[str, ...]) -> None:

@@ -40,7 +40,7 @@ import time
 from ..cdi import generate, store
 from .. import log
 from ..errors import NvcError, escape
-from ..kubelet import mpscontrol
+from ..mps import control as mpscontrol
 from . import checkpoint, claims, claimspec, exclusive, mpsclaim, sharing
 
 KUBELET_TIMEOUT = 45.0      # the kubelet's default for a DRA call
@@ -104,7 +104,7 @@ class Preparer:
             entry = self.claims.get(uid)
             path = os.path.join(self.cdi_root, claimspec.file_name(uid))
             if entry is not None and (not entry["devices"] or os.path.exists(path)):
-                await asyncio.to_thread(self._mps_start, entry)       # kept when it answers
+                await asyncio.to_thread(self._mps_start, entry)       # each kept when it answers
                 return entry["devices"]     # prepared before (a claim of no device here has no spec)
             label = f"{escape(namespace, 80)}/{escape(name, 120)}"
             try:
@@ -137,32 +137,93 @@ class Preparer:
         return {m.uuid: g.uuid for g in self.inv.gpus for m in g.migs}
 
     def _write(self, claim: claims.Claim, entry: dict) -> None:
-        plan = self._mps_start(entry)
+        daemons = self._mps_start(entry)
         try:
             self._time_slices(sharing.wanted(claim.units), claim.label)
             if claim.units:
                 spec = claimspec.build(self.inv, claim, self.opts)
-                if plan is not None:
-                    spec = mpsclaim.reaching(spec, plan)
+                if daemons:
+                    spec = mpsclaim.reaching(spec, claim.uid, daemons)
                 text = claimspec.render(spec, entry, self.inv.driver_version)
                 store.write_atomic(os.path.join(self.cdi_root, entry["spec"]), text)
         except BaseException:
-            if plan is not None:
+            if daemons:
                 self._mps_stop(entry)
             raise
 
-    def _mps_start(self, entry: dict):
-        """The claim's MPS daemon running (kept when it answers), or None when it asks no MPS."""
+    def _mps_start(self, entry: dict) -> list:
+        """The claim's MPS daemons running, one per configuration group that asks MPS (each kept
+        when it answers); [] when none asks it."""
         label = f"{entry['namespace']}/{entry['name']}"
-        plan = mpsclaim.plan(self.state_dir, entry["uid"], entry["devices"], label)
-        if plan is None:
-            return None
+        daemons = mpsclaim.plans(self.state_dir, entry["uid"], entry["devices"], label)
+        if not daemons:
+            return []
         try:
             binary = mpscontrol.control_binary(self.inv)
         except NvcError as exc:
             raise NvcError("device", f"claim {escape(label, 200)}: MPS asked: {exc.detail}") from None
-        mpsclaim.start(plan, binary, self.mps_deadline, label)
-        return plan
+        try:
+            smi = sharing.smi_path(self.inv, "MPS sets the GPUs' compute mode with it")
+        except NvcError as exc:
+            raise NvcError("device", f"claim {escape(label, 200)}: MPS asked: {exc.detail}") from None
+        started = []
+        try:
+            for plan in daemons:
+                for uuid in _whole_gpus(entry, plan.devices):
+                    self._smi(sharing.mode_argv(smi, uuid, "EXCLUSIVE_PROCESS"), label)
+                mpsclaim.start(plan, binary, self.mps_deadline, label)
+                started.append(plan)
+        except BaseException:
+            if started:
+                self._mps_stop(entry)
+            else:
+                self._reset_modes(entry)
+            raise
+        return daemons
+
+    async def check_daemons(self) -> None:
+        """Each prepared claim's MPS daemons asked whether they answer; one that died while its
+        clients run is said in one line, naming the claim and group, and started again (its
+        clients' CUDA contexts are lost with it: they must start again too). Under each claim's
+        lock: an unprepare in progress is never undone by a restart."""
+        for uid in list(self.claims):
+            async with self._lock(uid):
+                if uid in self.claims:
+                    await asyncio.to_thread(self._check_daemons, uid, self.claims[uid])
+
+    def _check_daemons(self, uid: str, entry: dict) -> None:
+        try:
+            binary = mpscontrol.control_binary(self.inv)
+        except NvcError:
+            return                     # no MPS here at all: no claim of ours has a daemon
+        label = f"{entry['namespace']}/{entry['name']}"
+        for plan in mpsclaim.plans(self.state_dir, uid, entry["devices"], label):
+            daemon = mpsclaim.control(plan.directory, plan.uuids, binary, self.mps_deadline, label)
+            if daemon.answers():
+                try:
+                    mpsclaim.start(plan, binary, self.mps_deadline, label)
+                    why = "started again"
+                except NvcError as exc:
+                    why = f"not started again: {exc.detail}"
+                self.say(f"MPS daemon of claim {escape(label, 200)} ({plan.group}) died while its clients "
+                         f"ran; {why}: its clients must start again")
+
+    def _smi(self, argv: list[str], label: str) -> None:
+        try:
+            self.run(argv)
+        except NvcError as exc:
+            raise NvcError("device", f"claim {escape(label, 200)}: {exc.detail}") from None
+        log.info(f"nvidia-smi {' '.join(argv[1:])} for claim {label}")
+
+    def _reset_modes(self, entry: dict) -> None:
+        """The claim's MPS GPUs back to the DEFAULT compute mode; a failure is said, not raised."""
+        gpus = _whole_gpus(entry, [d["device"] for d in entry.get("devices", ())
+                                   if (d.get("sharing") or {}).get("strategy") == "MPS"])
+        for uuid in gpus:
+            try:
+                self.run(sharing.mode_argv(sharing.smi_path(self.inv, "to reset the compute mode"), uuid, "DEFAULT"))
+            except NvcError as exc:
+                self.say(f"compute mode of {uuid} not reset: {exc.detail}")
 
     def _mps_stop(self, entry: dict) -> None:
         """The claim's daemon told to quit and its directory removed; a failure is said."""
@@ -174,16 +235,18 @@ class Preparer:
         why = mpsclaim.stop(self.state_dir, entry["uid"], binary, self.mps_deadline, label)
         if why:
             self.say(f"MPS daemon of claim {escape(label, 200)}: {why}; its directory is removed")
+        self._reset_modes(entry)
 
     def _time_slices(self, intervals: dict[str, str], label: str) -> None:
         """Set each GPU's time-slice (NvcError naming the GPU when nvidia-smi fails)."""
         if not intervals:
             return
-        smi = sharing.smi_path(self.inv)
-        if smi is None:
-            raise NvcError("device", f"claim {escape(label, 200)}: time-slicing asked, and the driver has no "
-                                     "nvidia-smi to set it")
+        try:
+            smi = sharing.smi_path(self.inv, "time-slicing is set with it")
+        except NvcError as exc:
+            raise NvcError("device", f"claim {escape(label, 200)}: {exc.detail}") from None
         for uuid, interval in intervals.items():
+            self.run(sharing.mode_argv(smi, uuid, "DEFAULT"))
             self.run(sharing.timeslice_argv(smi, uuid, interval))
             log.info(f"time-slice of {uuid} set to {interval} for claim {label}")
 
@@ -195,12 +258,9 @@ class Preparer:
                     and (d["sharing"] or {}).get("kind") == "gpu"}
 
         others = set().union(*(mine(e) for u, e in self.claims.items() if u != entry["uid"]))
-        smi = sharing.smi_path(self.inv)
         for uuid in sorted(mine(entry) - others):
             try:
-                if smi is None:
-                    raise NvcError("device", "the driver has no nvidia-smi")
-                self.run(sharing.timeslice_argv(smi, uuid, "Default"))
+                self.run(sharing.timeslice_argv(sharing.smi_path(self.inv, "to reset the time-slice"), uuid, "Default"))
             except NvcError as exc:
                 self.say(f"time-slice of {uuid} not reset: {exc.detail}")
 
@@ -230,9 +290,18 @@ def record(claim: claims.Claim) -> dict:
     devices = []
     for u in claim.units:
         device = {"request": u.request, "pool": claim.pool, "device": u.device, "uuid": u.uuid,
-                  "cdi": [claimspec.cdi_name(claim.uid, u.device)], "sharing": u.sharing.to_dict(), "shareID": u.share_id}
+                  "cdi": [claimspec.cdi_name(claim.uid, u.device)], "sharing": {**u.sharing.to_dict(), "group": u.group},
+                  "shareID": u.share_id}
         if u.admin:
             device["adminAccess"] = True
         devices.append(device)
     return {"namespace": claim.namespace, "name": claim.name, "uid": claim.uid, "devices": devices,
             "spec": claimspec.file_name(claim.uid)}
+
+
+def _whole_gpus(entry: dict, devices) -> list[str]:
+    """The UUIDs of the whole GPUs among the entry's ``devices`` (DRA names): a compute mode is a
+    GPU's (a MIG device has none of its own)."""
+    wanted = set(devices)
+    return list(dict.fromkeys(d["uuid"] for d in entry.get("devices", ()) if d["device"] in wanted
+                              and (d.get("sharing") or {}).get("kind", "gpu") == "gpu"))

@@ -1,33 +1,41 @@
-"""A claim's time-slicing settings, applied to its GPUs as NVIDIA's driver applies them:
-``nvidia-smi compute-policy -i <UUID> --set-timeslice=<0-3>`` when prepared, back to the
-default (0) when the last claim that set it is unprepared.
+"""A claim's time-slicing settings and compute modes, applied to its GPUs as NVIDIA's driver
+applies them: ``nvidia-smi -i <UUID> -c DEFAULT`` then ``nvidia-smi compute-policy -i <UUID>
+--set-timeslice=<0-3>`` when a time-sliced GPU is prepared, back to the default (0) when the
+last claim that set it is unprepared; ``-c EXCLUSIVE_PROCESS`` before a GPU's MPS daemon starts
+(only the daemon then opens it: every client goes through it), ``-c DEFAULT`` once it is gone.
 
 Why nvidia-smi and not NVML here: the plugin is a multi-threaded process that never loads NVML
 (the device plugin's rule, for the same reason: a driver call that hangs would hang a thread
 the kubelet waits on, and NVML cannot be unloaded). A program started with a clean
 environment, no input and a timeout can be killed. It is the inventory's nvidia-smi (the running
-driver's, under the driver root), never one found on PATH. MIG devices have no time-slice
+driver's, under the driver root), never one found on PATH, checked as MPS control is
+(:func:`~nvcontainer.mps.control.driver_program`: a regular file only root can change). MIG devices have no time-slice
 setting (NVIDIA's ``MigDeviceConfig`` has none); MPS settings are recorded, not applied.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 from ..errors import NvcError, escape
+from ..mps.control import driver_program
 
 INTERVALS = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
 TIMEOUT = 10.0
 ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
 
 
-def smi_path(inv) -> str | None:
-    """The host path of the inventory's nvidia-smi, or None when the driver has none."""
-    for binary in inv.binaries:
-        if binary.name == "nvidia-smi":
-            return os.path.join(inv.root, binary.path.lstrip("/"))
-    return None
+SMI = "nvidia-smi"
+MODES = ("DEFAULT", "EXCLUSIVE_PROCESS")
+
+
+def smi_path(inv, why: str) -> str:
+    """The inventory's nvidia-smi, checked; an error saying ``why`` it is needed otherwise."""
+    return driver_program(inv, SMI, why)
+
+
+def mode_argv(smi: str, uuid: str, mode: str) -> list[str]:
+    return [smi, "-i", uuid, "-c", mode]
 
 
 def timeslice_argv(smi: str, uuid: str, interval: str) -> list[str]:

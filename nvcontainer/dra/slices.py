@@ -24,7 +24,7 @@ Where we differ, and why (docs/engines/kubernetes-dra.md has the table): no ``ad
 the MIG devices are the ones that exist (NVIDIA's dynamic MIG, partitions created on demand, is
 not done here).
 
-An unhealthy device (the device plugin's health rules, ``deviceplugin/health.py``) is withdrawn
+An unhealthy device (the device plugin's health rules, ``health/rules.py``) is withdrawn
 from the slice by default; with ``taint`` it stays, carrying NVIDIA's taint keys
 (``gpu.nvidia.com/xid`` with the XID, ``gpu.nvidia.com/gpu-lost``,
 ``gpu.nvidia.com/unmonitored``), for clusters with device taints enabled.

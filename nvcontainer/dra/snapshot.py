@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 
+from ..documents import json_value
 from ..errors import NvcError, escape
 from ..inventory.model import Inventory
 
@@ -62,7 +63,10 @@ def current(config, *, proc: str = "/proc", timeout: float = 60.0, argv=None) ->
     except OSError as exc:
         raise NvcError("initialization", f"inventory: cannot start: {escape(exc)}") from None
     try:
-        reply = json.loads(done.stdout[:MAX_REPLY])
+        reply = json_value(done.stdout, "inventory's answer", cap=MAX_REPLY, category="initialization")
+    except NvcError:
+        raise NvcError("initialization", f"inventory: no answer (exit status {done.returncode})") from None
+    try:
         if "error" in reply:
             category, detail = reply["error"]
             raise NvcError(escape(category, 40), escape(detail, 300))

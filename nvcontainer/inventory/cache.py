@@ -5,8 +5,8 @@ without persistence mode takes hundreds of milliseconds (upstream pays it on eve
 start, and its "driver rpc error: timed out" is the most common complaint after cgroups), plus
 resolving and ELF-checking every driver library. The answer only changes when the driver, the
 GPUs, the ld cache or the driver's files change, so it is kept in one root-only file per
-configuration under ``cache-dir`` (default ``/run/nvcontainer``) and checked, not trusted, on
-every read:
+configuration and program (:func:`entry_name`) under ``cache-dir`` (default
+``/run/nvcontainer``) and checked, not trusted, on every read:
 
 * the file: a regular file owned by us (root), mode 0600 or stricter, one link, opened without
   following symlinks from a directory owned by us with mode 0700, at most ``MAX_FILE`` bytes,
@@ -136,10 +136,17 @@ def _inputs(config) -> dict:
 
 
 def entry_name(inputs: dict) -> str:
-    """One file per configuration; the boot and the version are checked inside, not named, so
-    an entry is replaced rather than joined by a new one after a reboot or an upgrade."""
+    """One file per configuration and program: ``inventory-<configuration>-<program>.json``.
+    The program (format, version and :data:`PROGRAM`) is named, not only checked inside, so
+    two programs sharing the directory (a package's server beside a pip-installed hook, an old
+    server still running after an upgrade) each keep their own entry instead of rebuilding each
+    other's on every start; :func:`.cachefile.write_entry` keeps a few programs per
+    configuration, the newest. The boot is checked inside, not named: an entry is replaced, not
+    joined by a new one, after a reboot."""
     what = {k: v for k, v in inputs.items() if k not in ("format", "version", "program")}
-    return f"{PREFIX}{binascii.crc32(jsontext.dumps(what, sort_keys=True).encode()):08x}.json"
+    program = [inputs.get("format"), inputs.get("version"), inputs.get("program")]
+    return (f"{PREFIX}{binascii.crc32(jsontext.dumps(what, sort_keys=True).encode()):08x}-"
+            f"{binascii.crc32(jsontext.dumps(program).encode()):08x}.json")
 
 
 def machine_state(proc: str = "/proc") -> dict:

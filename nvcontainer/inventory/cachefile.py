@@ -22,7 +22,8 @@ from ..fs.bounded import read_at_most
 from ..fs.private import flock_within, write_new
 
 MAX_FILE = 4 << 20
-MAX_ENTRIES = 16          # cache files kept in the directory (one per configuration)
+MAX_ENTRIES = 16          # cache files kept in the directory (one per configuration and program)
+MAX_PROGRAMS = 4          # of them per configuration: the newest programs' (an upgrade's, a second install's)
 STALE_TEMP_S = 60         # a temporary file this old was left by a killed writer
 PREFIX = "inventory-"
 LOCK = "lock"
@@ -105,8 +106,16 @@ def write_entry(dfd: int, name: str, record: dict) -> bool:
     return True
 
 
+def configuration_of(name: str) -> str:
+    """The configuration part of an entry's name (``inventory-<configuration>-<program>.json``;
+    an older version's ``inventory-<configuration>.json`` counts under its configuration)."""
+    return name[len(PREFIX):].split("-", 1)[0].split(".", 1)[0]
+
+
 def _prune(dfd: int, keep: str) -> None:
-    """Keep the directory bounded: the newest ``MAX_ENTRIES`` entries, no stale temporaries."""
+    """Keep the directory bounded: the newest :data:`MAX_PROGRAMS` entries of ``keep``'s
+    configuration, the newest :data:`MAX_ENTRIES` in all, no stale temporaries. Two programs
+    that share the directory keep both their entries: neither rebuilds the other's."""
     entries, now = [], time.time()
     try:
         with os.scandir(dfd) as it:
@@ -116,7 +125,13 @@ def _prune(dfd: int, keep: str) -> None:
                     os.unlink(e.name, dir_fd=dfd)
                 elif e.name.startswith(PREFIX) and e.name != keep:
                     entries.append((st.st_mtime, e.name))
-        for _, old in sorted(entries, reverse=True)[MAX_ENTRIES - 1:]:
+        entries.sort(reverse=True)
+        mine = configuration_of(keep)
+        same = [name for _, name in entries if configuration_of(name) == mine]
+        drop = set(same[MAX_PROGRAMS - 1:])
+        rest = [name for _, name in entries if name not in drop]
+        drop.update(rest[MAX_ENTRIES - 1:])
+        for old in drop:
             os.unlink(old, dir_fd=dfd)
     except OSError as exc:
         log.info(f"inventory cache: pruning stopped: {exc.strerror}")

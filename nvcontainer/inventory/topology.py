@@ -9,7 +9,7 @@ arrives (or when NVML cannot answer), preferred allocation works from the NUMA n
 the hook's ``free:N`` always does (it never calls NVML on a start).
 
 Here, below the request layer, so the device plugin and the lease allocator share one model
-(:mod:`nvcontainer.deviceplugin.topology` turns the watcher's report into it).
+(:mod:`nvcontainer.health.topology` turns the watcher's report into it).
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ from ..inventory.model import Gpu, Inventory, MigDevice
 VENDOR = "nvidia.com"
 GPU = f"{VENDOR}/gpu"
 UNKNOWN_MACHINE = "unknown"
+VALUE_MAX = 63                         # Kubernetes' bound on a label value
+SHARED = "-SHARED"
 
 # compute capability major -> architecture, as NVIDIA's labeller names them; 7.x and 8.x split
 _FAMILIES = {1: "tesla", 2: "fermi", 3: "kepler", 5: "maxwell", 6: "pascal", 9: "hopper",
@@ -43,6 +45,13 @@ _MIG_ATTRIBUTES = (("memory_mb", "memory"), ("multiprocessors", "multiprocessors
 def sanitise(text: str) -> str:
     """Only letters, digits, ``-_.``; runs of spaces as one ``-`` (a label value's alphabet)."""
     return "-".join(re.sub(r"[^A-Za-z0-9\-_. ]", "", text).split())
+
+
+def label_value(text: str, limit: int = VALUE_MAX) -> str:
+    """A value Kubernetes takes for a label: sanitised, at most ``limit`` (63) characters, a
+    letter or digit at each end (``-_.`` only inside), or empty. The API server refuses the
+    whole node update for one value past that (a DMI product name of 70 characters did it)."""
+    return sanitise(text)[:limit].strip("-_.")
 
 
 def family(major: int, minor: int) -> str:
@@ -62,7 +71,7 @@ def node_labels(inv: Inventory, settings: Settings, *, machine: str | None = Non
         labels[f"{VENDOR}/gfd.timestamp"] = str(int(timestamp))
     if not inv.gpus:
         return labels
-    labels[f"{GPU}.machine"] = sanitise(machine) if machine is not None else UNKNOWN_MACHINE
+    labels[f"{GPU}.machine"] = (label_value(machine) if machine is not None else "") or UNKNOWN_MACHINE
     labels.update(_versions(inv))
     labels[f"{VENDOR}/mig.capable"] = _bool(any(g.mig_capable for g in inv.gpus))
     labels[f"{VENDOR}/mps.capable"] = _bool(settings.sharing == "mps" and not any(g.mig_enabled for g in inv.gpus))
@@ -70,7 +79,7 @@ def node_labels(inv: Inventory, settings: Settings, *, machine: str | None = Non
     if settings.mig_strategy != "none":
         labels[f"{VENDOR}/mig.strategy"] = settings.mig_strategy
         labels.update(_single(inv, settings) if settings.mig_strategy == "single" else _mixed(inv, settings))
-    return labels
+    return {name: label_value(value) for name, value in labels.items()}   # every value, whatever its source
 
 
 def _bool(value: bool) -> str:
@@ -102,8 +111,8 @@ def _resource(name: str, product_parts: list[str], count: int, settings: Setting
     resource the plugin does not share (a MIG-enabled GPU's whole-GPU labels)."""
     replicas = 0 if settings is None else settings.replicas
     product = "-".join(sanitise(p) for p in product_parts if p)
-    if replicas > 1 and not settings.rename_shared:
-        product += "-SHARED"
+    if replicas > 1 and not settings.rename_shared:     # the suffix kept whole, the model cut if need be
+        product = label_value(product, VALUE_MAX - len(SHARED)) + SHARED
     return {
         f"{name}.product": product,
         f"{name}.count": str(count),
@@ -131,7 +140,7 @@ def _whole_gpus(inv: Inventory, settings: Settings) -> dict[str, str]:
 
 def _architecture(gpu: Gpu) -> dict[str, str]:
     major, _, minor = gpu.arch.partition(".")
-    if not major.isdigit() or not minor.isdigit() or int(major) == 0:
+    if not (major + minor).isascii() or not major.isdigit() or not minor.isdigit() or int(major) == 0:
         return {}
     return {f"{GPU}.family": family(int(major), int(minor)), f"{GPU}.compute.major": major,
             f"{GPU}.compute.minor": minor}

@@ -53,6 +53,13 @@ def conflicts(live, indexes) -> list[tuple[int, Lease]]:
     return [(i, held[i]) for i in indexes if i in held]
 
 
+def occupants(live, unreadable, inv: Inventory) -> list:
+    """The live leases and the unreadable entries that may still run, each holding its GPUs:
+    an entry whose indexes could not be read holds every GPU (fail closed)."""
+    every = tuple(g.index for g in inv.gpus)
+    return [*live, *(u if u.indexes is not None else replace(u, indexes=every) for u in unreadable)]
+
+
 def who_holds(live, indexes=None) -> str:
     """``GPU 0, 1 held by container 3f2a… (pid 812); GPU 3 by …`` for a refusal's one line."""
     by: dict[Lease, list[int]] = {}
@@ -85,7 +92,10 @@ def acquire(request, inv: Inventory, cfg, container: str, pid: int, bundle: str)
 def take(inv: Inventory, cfg, container: str, pid: int, bundle: str, *, asked: str, count: int | None = None,
          indexes: tuple[int, ...] = ()) -> Lease:
     """A lease on ``count`` free GPUs, or on exactly ``indexes`` (exclusive-gpus), for ``pid``
-    (0: pending, bound at the init's start by ``bind-lease``)."""
+    (0: pending, bound at the init's start by ``bind-lease``). ``asked`` (the request as the
+    container wrote it) is only shown, escaped and cut, in refusals: the lease records the
+    normalized request (``free:N``, or the indexes), so a request's spelling never reaches the
+    file."""
     allow = allow_list(inv, cfg.allowed_devices)
     start = 0
     if pid:
@@ -96,28 +106,31 @@ def take(inv: Inventory, cfg, container: str, pid: int, bundle: str, *, asked: s
     topology = Topology(numa=numa_nodes(SYSFS, inv)) if count and count > 1 else Topology()
     busy: list[str] = []
 
-    def change(leases):
+    recorded = f"{free.WORD}:{count}" if count is not None else ",".join(map(str, indexes))
+
+    def change(leases, unreadable):
         live = [x for x in leases if x.container != container and liveness.alive(x)]
+        others = occupants(live, unreadable, inv)
         if count is None:
-            clash = conflicts(live, indexes)
+            clash = conflicts(others, indexes)
             if clash:
-                busy[:] = [f"{escape(asked, 80)}: exclusive-gpus: {who_holds(live, {i for i, _ in clash})}"]
+                busy[:] = [f"{escape(asked, 80)}: exclusive-gpus: {who_holds(others, {i for i, _ in clash})}"]
                 return live, None
             chosen = list(indexes)
         else:
-            chosen = decide_free(live, inv, allow, count, topology, asked)
+            chosen = decide_free(others, inv, allow, count, topology, asked)
             if chosen is None:
-                busy[:] = [f"{escape(asked, 80)}: no {count} GPU(s) free; {who_holds(live)}"]
+                busy[:] = [f"{escape(asked, 80)}: no {count} GPU(s) free; {who_holds(others)}"]
                 return live, None
         lease = Lease(gpus=tuple(inv.gpus[i].uuid for i in chosen), indexes=tuple(chosen),
                       container=container, pid=pid, start=start, bundle=bundle, since=time.time(),
-                      how="free" if count is not None else "explicit", asked=asked)
+                      how="free" if count is not None else "explicit", asked=recorded)
         return [*live, lease], lease
 
     path = store.path_in(cfg.cache_dir)
     end, pause = time.monotonic() + cfg.lease_wait_seconds, 0.01
     while True:
-        lease = store.update(path, change, deadline=max(cfg.deadline, 1))
+        lease = store.update(path, change, deadline=max(cfg.deadline, 1), unreadable=True)
         if lease is not None:
             break
         left = end - time.monotonic()
@@ -138,11 +151,8 @@ def preview(request, inv: Inventory, cfg):
     count = free.asked(request.devices)
     if count is None:
         return request
-    try:
-        live = [x for x in store.load(store.path_in(cfg.cache_dir)) if liveness.alive(x)]
-    except NvcError as exc:
-        log.warning(f"{exc.detail}; the preview counts no lease")
-        live = []
+    leases, unreadable = store.load_all(store.path_in(cfg.cache_dir))   # unreadable: refused, as a start would be
+    live = occupants([x for x in leases if liveness.alive(x)], [u for u in unreadable if liveness.may_run(u)], inv)
     topology = Topology(numa=numa_nodes(SYSFS, inv)) if count > 1 else Topology()
     chosen = decide_free(live, inv, allow_list(inv, cfg.allowed_devices), count, topology, request.devices[0])
     if chosen is None:

@@ -14,7 +14,7 @@ import os
 import time
 
 from ..fs.bounded import read_at_most
-from .model import PENDING_S, Lease
+from .model import PENDING_S, Lease, Unreadable
 
 MAX_STAT = 4096
 GONE = ("Z", "X", "x")
@@ -53,3 +53,17 @@ def alive(lease: Lease, proc: str = "/proc") -> bool:
         return 0 <= time.time() - lease.since < PENDING_S
     st = stat_of(lease.pid, proc)
     return st is not None and st[0] not in GONE and st[1] == lease.start
+
+
+def may_run(entry: Unreadable, proc: str = "/proc") -> bool:
+    """Whether an unreadable entry's container may still run: only what was salvaged of it can
+    say it ended (its init gone, or a reused pid; a pending entry past its time); an entry that
+    says too little holds on (fail closed)."""
+    if entry.pid == 0:
+        return entry.since is None or 0 <= time.time() - entry.since < PENDING_S
+    if entry.pid is None:
+        return True
+    st = stat_of(entry.pid, proc)
+    if st is None or st[0] in GONE:
+        return False
+    return entry.start is None or st[1] == entry.start

@@ -8,6 +8,7 @@ Plain data only: :mod:`.store` reads and writes it, :mod:`.liveness` checks it a
 
 from __future__ import annotations
 
+from ..errors import escape
 from ..records import record
 
 # How a lease was asked for: ``free`` / ``free:N`` (the node chose the GPUs), or ``explicit``
@@ -21,7 +22,8 @@ class Lease:
     """``gpus``: the GPUs' UUIDs, ``indexes``: their indexes, in the same order. ``container``:
     the OCI state's container id. ``pid`` and ``start``: the container's init and its start time
     (clock ticks since boot). ``since``: when the lease was taken (seconds since the epoch).
-    ``how``: ``free`` or ``explicit``; ``asked``: the request as written (``free:2``).
+    ``how``: ``free`` or ``explicit``; ``asked``: the request, normalized (``free:2``, or the
+    indexes an explicit request resolved to, ``0,3``), never the container's text as written.
     ``pid`` 0: *pending*, taken by the runtime shim in CDI mode at create, before the init
     exists; the shim's ``bind-lease`` hook fills in pid and start (:data:`PENDING_S` at most)."""
 
@@ -47,27 +49,91 @@ class Lease:
 
 _TYPES = {"gpus": list, "indexes": list, "container": str, "pid": int, "start": int, "bundle": str,
           "since": (int, float), "how": str, "asked": str}
+# The one set of bounds: the reader refuses an entry past them, and the writer checks every
+# entry against the same function before it writes, so it never records what it cannot read.
 MAX_GPUS = 1024
 MAX_TEXT = 4096
+MAX_UUID = 128
 
 
-def from_json(item: object) -> Lease | None:
-    """A lease from its stored form, or None when it is not one (every field typed and bounded)."""
-    if not isinstance(item, dict) or set(item) != set(_TYPES):
-        return None
+def problem(item: object) -> str | None:
+    """Why ``item`` is not a stored lease (the field and what is wrong, in a few words); None
+    when it is one. Shared by the reader and the writer. Pure."""
+    if not isinstance(item, dict):
+        return f"a {type(item).__name__}, not an object"
+    if set(item) != set(_TYPES):
+        odd = sorted(set(item) ^ set(_TYPES))
+        return f"field(s) {escape(', '.join(map(str, odd)), 80)} missing or unknown"
     for key, kind in _TYPES.items():
         value = item[key]
         if isinstance(value, bool) or not isinstance(value, kind):
-            return None
+            return f"field {key!r} is a {type(value).__name__}"
         if isinstance(value, str) and len(value) > MAX_TEXT:
-            return None
+            return f"field {key!r} is {len(value)} characters, more than {MAX_TEXT}"
     gpus, indexes = item["gpus"], item["indexes"]
-    if (not gpus or len(gpus) != len(indexes) or len(gpus) > MAX_GPUS
-            or not all(isinstance(u, str) and 0 < len(u) <= 128 for u in gpus)
-            or not all(type(i) is int and 0 <= i < MAX_GPUS for i in indexes)):
+    if not gpus or len(gpus) != len(indexes) or len(gpus) > MAX_GPUS:
+        return f"{len(gpus)} GPUs for {len(indexes)} indexes (1 to {MAX_GPUS})"
+    if not all(isinstance(u, str) and 0 < len(u) <= MAX_UUID for u in gpus):
+        return f"field 'gpus' holds a value that is not a UUID of 1 to {MAX_UUID} characters"
+    if not all(type(i) is int and 0 <= i < MAX_GPUS for i in indexes) or len(set(indexes)) != len(indexes):
+        return f"field 'indexes' holds a value that is not a distinct index below {MAX_GPUS}"
+    if item["pid"] < 0 or item["start"] < 0:
+        return "a negative pid or start time"
+    if not item["container"]:
+        return "an empty container ID"
+    if item["how"] not in HOW:
+        return f"field 'how' is {escape(item['how'], 20)!r}"
+    return None
+
+
+def from_json(item: object) -> Lease | None:
+    """A lease from its stored form, or None when it is not one (:func:`problem` says why)."""
+    if problem(item) is not None:
         return None
-    if item["pid"] < 0 or item["start"] < 0 or not item["container"] or item["how"] not in HOW:
-        return None
-    return Lease(gpus=tuple(gpus), indexes=tuple(indexes), container=item["container"], pid=item["pid"],
-                 start=item["start"], bundle=item["bundle"], since=float(item["since"]), how=item["how"],
-                 asked=item["asked"])
+    return Lease(gpus=tuple(item["gpus"]), indexes=tuple(item["indexes"]), container=item["container"],
+                 pid=item["pid"], start=item["start"], bundle=item["bundle"], since=float(item["since"]),
+                 how=item["how"], asked=item["asked"])
+
+
+@record
+class Unreadable:
+    """An entry of the file that is not a lease (damaged, or written by something else): kept as
+    it was (``raw``, its JSON text) and taken as holding GPUs until it is known to have ended.
+    What could be read of it is salvaged, and only ever to hold more, never less: ``indexes``
+    None holds every GPU; ``pid``/``start``/``since`` None leave its end unknown (it never ends
+    by itself). ``number``: its place in the file, ``why``: :func:`problem`'s answer."""
+
+    number: int
+    why: str
+    raw: str
+    container: str = ""
+    indexes: tuple[int, ...] | None = None
+    pid: int | None = None
+    start: int | None = None
+    since: float | None = None
+
+    def holder(self) -> str:
+        who = f"container {escape(self.container[:12])}, " if self.container else ""
+        pid = f"pid {self.pid}" if self.pid else "pid unknown" if self.pid is None else "starting"
+        return f"unreadable lease entry {self.number} ({who}{pid}: {self.why})"
+
+
+def salvage(number: int, item: object, why: str, raw: str) -> Unreadable:
+    """What can be trusted of an entry that is not a lease. Pure."""
+    if not isinstance(item, dict):
+        return Unreadable(number, why, raw)
+
+    def count(key):
+        value = item.get(key)
+        return value if type(value) is int and value >= 0 else None
+
+    indexes = item.get("indexes")
+    if not (isinstance(indexes, list) and indexes and len(indexes) <= MAX_GPUS
+            and all(type(i) is int and 0 <= i < MAX_GPUS for i in indexes)):
+        indexes = None
+    since = item.get("since")
+    container = item.get("container")
+    return Unreadable(number, why, raw, container=container[:64] if isinstance(container, str) else "",
+                      indexes=None if indexes is None else tuple(dict.fromkeys(indexes)), pid=count("pid"),
+                      start=count("start"),
+                      since=float(since) if type(since) in (int, float) and since == since else None)

@@ -282,8 +282,10 @@ __attribute__((unused)) static int ask_python(int argc, char **argv, const char 
         else if (dup2(reply[1], REPLY_FD) < 0)
             _exit(1);
         int null = open("/dev/null", O_RDWR | O_CLOEXEC);
-        if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || chdir("/") < 0)
+        if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || chdir("/") < 0) {
+            dprintf(2, "%s: runtime error: cannot start the Python shim: /dev/null or /: %s\n", prog, strerror(errno));
             _exit(1);
+        }
         close_from(REPLY_FD + 1);
         char **args = shim_args(argc, argv, python, cwd, 1);
         if (!args)

@@ -58,14 +58,14 @@ def assemble(gpus, activity: dict, containers: list[Container], processes: list[
                 continue
             known = [p.memory for p in mine if p.memory is not None]
             entries.append({
-                "id": c.id, "name": c.name, "engine": c.engine, "pid": c.pid,
+                "id": c.id, "name": c.name, "command": c.command, "engine": c.engine, "pid": c.pid,
                 "how": "lease" if held else "request", "running": True, "evidence": evidence,
                 "memory": sum(known) if known else None,
                 "processes": [_process_entry(p) for p in mine],
             })
         for lease in gpu_leases:
             if not any(_holds(lease, c) for c in containers):
-                entries.append({"id": lease.container, "name": "", "engine": "", "pid": lease.pid,
+                entries.append({"id": lease.container, "name": "", "command": "", "engine": "", "pid": lease.pid,
                                 "how": "lease", "running": lease.alive, "evidence": ["lease"], "memory": None,
                                 "processes": []})
         out.append({

@@ -14,7 +14,7 @@ from ..inventory.model import NVIDIA_MAJOR
 from ..records import replace
 from . import ocistate, scan
 from .assemble import assemble
-from .identity import from_cgroup
+from .identity import from_cgroup, from_kernel
 from .model import Container, Lease, Process
 
 
@@ -25,13 +25,16 @@ def nvml_library(inventory) -> str:
     raise NvcError("initialization", "nvml error: the inventory holds no libnvidia-ml.so.1")
 
 
-def identify(c: Container, states: dict) -> Container:
+def identify(c: Container, states: dict, proc: str = "/proc") -> Container:
+    """The engine's ID and name for a container; where none says, what the kernel shows (the
+    cgroup's last component, the init's command line)."""
     engine, found = from_cgroup(c.cgroup)
     runtime, state_id, name = states.get(c.pid, ("", "", ""))
-    container_id = found or state_id
+    container_id = found or state_id or from_kernel(c.cgroup)
     if not name and engine == "docker":
         name = ocistate.docker_name(container_id)
-    return replace(c, id=container_id, name=name, engine=engine or runtime)
+    command = "" if name else scan.cmdline(c.pid, proc)
+    return replace(c, id=container_id, name=name, engine=engine or runtime, command=command)
 
 
 def containers(minors, proc: str = "/proc", roots=ocistate.ROOTS) -> list[Container]:
@@ -40,13 +43,13 @@ def containers(minors, proc: str = "/proc", roots=ocistate.ROOTS) -> list[Contai
     for pid, space in scan.container_inits(proc):
         c = scan.read_container(pid, space, minors, NVIDIA_MAJOR, proc)
         if c is not None:
-            found.append(identify(c, states))
+            found.append(identify(c, states, proc))
     seen = {c.pid for c in found}
     for pid in sorted(set(states) - seen):
         # a container sharing the host's pid namespace: found by its runtime's state alone
         c = scan.read_container(pid, "", minors, NVIDIA_MAJOR, proc)
         if c is not None:
-            found.append(identify(c, states))
+            found.append(identify(c, states, proc))
     return found
 
 
@@ -64,16 +67,24 @@ def processes(activity: dict, proc: str = "/proc") -> list[Process]:
 
 
 def lease_facts(config, proc: str = "/proc") -> tuple[list[Lease], str | None]:
-    """The recorded leases with whether each container still runs; a lease file that cannot be
-    trusted gives no leases and its one-line reason."""
+    """The recorded leases with whether each container still runs, and a one-line warning: a
+    lease file that cannot be trusted gives no leases; entries that are not leases are named
+    (each holds GPUs until its container is known to have ended)."""
+    from ..errors import escape
     from ..leases import liveness, store
 
+    path = store.path_in(config.cache_dir)
     try:
-        recorded = store.load(store.path_in(config.cache_dir))
+        recorded, unreadable = store.load_all(path)
     except NvcError as exc:
-        return [], exc.detail
+        return [], f"leases not shown: {exc.detail}"
+    held = [u for u in unreadable if liveness.may_run(u)]
+    problem = None
+    if held:
+        problem = (f"{escape(path)}: {'; '.join(u.holder() for u in held[:4])}"
+                   f"{f' and {len(held) - 4} more' if len(held) > 4 else ''}: held until its container is known to have ended")
     return [Lease(container=lease.container, pid=lease.pid, gpus=tuple(lease.gpus), start=lease.start,
-                  alive=liveness.alive(lease, proc)) for lease in recorded], None
+                  alive=liveness.alive(lease, proc)) for lease in recorded], problem
 
 
 def snapshot(config, inventory, leases: list[Lease] = (), *, proc: str = "/proc", roots=ocistate.ROOTS) -> list[dict]:

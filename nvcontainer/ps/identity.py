@@ -5,6 +5,10 @@ Engines name cgroups after the container: systemd's driver makes ``docker-<id>.s
 ``libpod-<id>.scope``, ``cri-containerd-<id>.scope``, ``crio-<id>.scope``; cgroupfs makes
 ``/docker/<id>``, ``/libpod_parent/libpod-<id>`` or ``/kubepods/<qos>/pod<uid>/<id>``. The
 name is not in the path; the annotations (CRI's, CRI-O's, nerdctl's) carry it.
+
+A container no engine or runtime state names (plain runc with its own ``--root``, the Mesos
+containerizer, anything whose ID is not 64 hex digits) is still named by what the kernel shows:
+its cgroup directory's last component (:func:`from_kernel`) and its init's command line.
 """
 
 from __future__ import annotations
@@ -30,6 +34,15 @@ def from_cgroup(path: str) -> tuple[str, str]:
                 return "kubernetes", parts[at]
             return ("docker" if parent == "docker" else ""), parts[at]
     return "", ""
+
+
+MAX_KERNEL_ID = 128
+
+
+def from_kernel(path: str) -> str:
+    """The last component of a cgroup path, as the ID of a container nothing else names;
+    "" for the root. Bounded; the caller escapes it where it is shown."""
+    return path.rstrip("/").rpartition("/")[2][:MAX_KERNEL_ID]
 
 
 def name_from_annotations(annotations: dict[str, str]) -> str:

@@ -19,6 +19,7 @@ class Container:
     id: str = ""                        # the engine's container ID (cgroup path or OCI state)
     name: str = ""                      # the engine's name for it, where its state says
     engine: str = ""                    # docker, podman, containerd, cri-o, kubernetes, runc, crun
+    command: str = ""                   # its init's command line (bounded, escaped), where no engine names it
     cgroup_minors: tuple[int, ...] = ()   # GPU minors its device cgroup allows by exact rule
     cgroup_all: bool = False              # its device cgroup allows the whole major (privileged)
     mount_minors: tuple[int, ...] = ()    # /dev/nvidiaN mounted in its mount namespace

@@ -40,7 +40,8 @@ def text(view: list[dict]) -> str:
             how = c["how"] + ("" if c["running"] else " (container gone)" if c["pid"] else " (never started)")
             if c["running"] and c["pid"] == 0:
                 how += " (pending)"   # the runtime shim's, until the container's init binds it
-            rows.append((escape(_short(c["id"])) or "-", escape(c["name"]) or "-", c["engine"] or "-", how,
+            name = escape(c["name"]) or (f"[{c['command']}]" if c["command"] else "-")   # command: escaped by scan
+            rows.append((escape(_short(c["id"])) or "-", name, c["engine"] or "-", how,
                          str(c["pid"]), size(c["memory"]), "; ".join(_process(p) for p in c["processes"]) or "-"))
         for p in gpu["host_processes"]:
             rows.append(("(host)", "-", "-", "-", "-", size(p["memory"]), _process(p)))

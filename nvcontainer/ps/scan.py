@@ -57,6 +57,17 @@ def command(pid: int, proc: str = "/proc") -> str:
     return escape((_read(f"{proc}/{pid}/comm", 64) or "").strip())
 
 
+MAX_CMDLINE = 4096   # read of /proc/PID/cmdline
+SHOWN_CMDLINE = 200
+
+
+def cmdline(pid: int, proc: str = "/proc") -> str:
+    """The command line of ``pid``, arguments joined by spaces, cut to :data:`SHOWN_CMDLINE`
+    characters and escaped (a container's process chooses it); "" when gone or empty."""
+    text = (_read(f"{proc}/{pid}/cmdline", MAX_CMDLINE) or "").rstrip("\0").replace("\0", " ")
+    return escape(text, SHOWN_CMDLINE) if text else ""
+
+
 def container_inits(proc: str = "/proc") -> list[tuple[int, str]]:
     """(pid, pid namespace) of every process whose pid namespace is not its parent's."""
     mine = pidns("self", proc)

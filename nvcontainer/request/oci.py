@@ -27,6 +27,7 @@ import stat
 import time
 
 from .. import jsontext
+from ..documents import json_value
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
 from ..records import field, record
@@ -159,15 +160,8 @@ def _reject_constant(name: str):
 def _loads(data: bytes, what: str, cap: int):
     if not isinstance(data, (bytes, bytearray)):
         raise NvcError("input", f"{what}: expected bytes")
-    if len(data) > cap:
-        raise NvcError("input", f"{what}: larger than {cap} bytes")
-    try:
-        text = bytes(data).decode("utf-8")
-        return jsontext.loads(text, parse_constant=_reject_constant, object_pairs_hook=_JsonObject.of)
-    except RecursionError:
-        raise NvcError("input", f"{what}: JSON nested too deeply") from None
-    except (ValueError, UnicodeError) as exc:   # JSONDecodeError is a ValueError
-        raise NvcError("input", f"{what}: invalid JSON: {escape(exc)}") from None
+    return json_value(data, what, cap=cap, depth=None, parse_constant=_reject_constant,
+                      object_pairs_hook=_JsonObject.of)
 
 
 def _show(value: object) -> str:

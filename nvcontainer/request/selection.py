@@ -19,9 +19,9 @@ from ..records import record
 MAX_TOKENS = 1024
 
 # Strings, compiled by re on first use (and cached there): most starts match none of them.
-_BUS_RE = r"^(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})(?:\.([0-7]))?$"
-_MIG_PAIR_RE = r"^(\d{1,4}):(\d{1,4})$"
-_LEGACY_MIG_RE = r"^MIG-(GPU-[0-9a-fA-F-]+)/(\d{1,4})/(\d{1,4})$"
+_BUS_RE = r"(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})(?:\.([0-7]))?"
+_MIG_PAIR_RE = r"([0-9]{1,4}):([0-9]{1,4})"
+_LEGACY_MIG_RE = r"MIG-(GPU-[0-9a-fA-F-]+)/([0-9]{1,4})/([0-9]{1,4})"
 # what nvcontainer serve compiles before it forks (serve/server.py preload), so no request does
 PATTERNS = (_BUS_RE, _MIG_PAIR_RE, _LEGACY_MIG_RE)
 
@@ -138,7 +138,7 @@ def _match(inv: Inventory, token: str) -> tuple[Gpu, MigDevice | None]:
         # only for a token that a pattern may match (each asks for what is tested before it): a
         # start that names its GPUs by index or UUID does not pay re's import
         import re
-    legacy = token.startswith("MIG-GPU-") and re.match(_LEGACY_MIG_RE, token)
+    legacy = token.startswith("MIG-GPU-") and re.fullmatch(_LEGACY_MIG_RE, token)
     if legacy:
         uuid, gi, ci = legacy.group(1).lower(), int(legacy.group(2)), int(legacy.group(3))
         for gpu in inv.gpus:
@@ -151,7 +151,7 @@ def _match(inv: Inventory, token: str) -> tuple[Gpu, MigDevice | None]:
             for mig in gpu.migs:
                 if mig.uuid == token:
                     return gpu, mig
-    bus = ":" in token and re.match(_BUS_RE, token)
+    bus = ":" in token and re.fullmatch(_BUS_RE, token)
     if bus and ("." in token or token.count(":") == 2):
         domain, b, d = (int(x, 16) for x in (bus.group(1) or "0", bus.group(2), bus.group(3)))
         wanted = f"{domain:08x}:{b:02x}:{d:02x}.0"
@@ -160,7 +160,7 @@ def _match(inv: Inventory, token: str) -> tuple[Gpu, MigDevice | None]:
                 return gpu, None
     if token.isascii() and token.isdigit() and len(token) <= 4 and int(token) < len(inv.gpus):
         return inv.gpus[int(token)], None
-    pair = ":" in token and re.match(_MIG_PAIR_RE, token)
+    pair = ":" in token and re.fullmatch(_MIG_PAIR_RE, token)
     if pair:
         i, j = int(pair.group(1)), int(pair.group(2))
         if i < len(inv.gpus):

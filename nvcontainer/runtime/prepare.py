@@ -41,7 +41,7 @@ def _own_options(argv: list[str]) -> tuple[dict, list[str]]:
             return opts, args
         if arg in ("--prog", "--config", "--cwd", "--reply-fd") and args:
             opts[arg[2:]] = args.pop(0)
-            if arg == "--reply-fd" and not opts["reply-fd"].isdigit():
+            if arg == "--reply-fd" and not (opts["reply-fd"].isascii() and opts["reply-fd"].isdigit()):
                 raise NvcError("input", f"--reply-fd: expected a file descriptor number, got {escape(opts['reply-fd'])}")
         else:
             raise NvcError("input", f"{USAGE} (got {escape(arg)})")

@@ -43,11 +43,15 @@ class LeaseWatch:
     def start(self) -> None:
         try:
             kept, released = reconcile(self.path)
+            log.info(f"leases: {kept} kept, {released} of ended containers released")
+        except store.Closed as exc:
+            # a file that cannot be read stays where it is (no lease is granted meanwhile): the
+            # watch goes on, and reads it again once an operator has moved it aside
+            log.warning(f"leases: {exc.detail}")
         except NvcError as exc:
             log.warning(f"leases not watched: {exc.detail}")
             self.enabled = False
             return
-        log.info(f"leases: {kept} kept, {released} of ended containers released")
         self.arm()   # after the reconcile made the directory, before the first look at the file
         self.refresh()
 

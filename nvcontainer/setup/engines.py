@@ -56,6 +56,8 @@ class Options:
     hook: bool = False                  # crio: the hooks.d file instead of the runtime handler
     deadline: float = 30.0              # the hook's own; hooks.d timeouts are longer
     version: tuple[int, ...] | None = None
+    links: bool = True                  # our programs linked onto the engines' PATH (/usr/local/bin)
+    units: bool = True                  # the server's systemd units (the installer's pod serves instead)
 
 
 @record
@@ -101,10 +103,10 @@ def _runtime(inst: Install, builds: list) -> str:
     return runtime
 
 
-def _on_path(name: str, inst: Install, w: World) -> tuple:
+def _on_path(name: str, inst: Install, w: World, o: Options) -> tuple:
     """A link that puts our ``name`` first on a service's PATH, unless it is there already."""
     ours = inst.program(name)
-    if w.on_path(name) == os.path.realpath(ours):
+    if not o.links or w.on_path(name) == os.path.realpath(ours):
         return ()
     return (Link(f"{LINK_DIR}/{name}", ours),)
 
@@ -124,7 +126,7 @@ def _docker(o: Options, inst: Install, w: World, builds: list) -> tuple[list, li
         edit = [WriteFile(DAEMON_JSON, old, old=old, own=False)] if old is not None else []
     notes = ["docker run --runtime=nvidia (or every container, with --set-as-default) goes through the runtime "
              "shim; docker run --gpus runs nvidia-container-runtime-hook from dockerd's PATH"]
-    return [*_on_path("nvidia-container-runtime-hook", inst, w), *edit], notes
+    return [*_on_path("nvidia-container-runtime-hook", inst, w, o), *edit], notes
 
 
 def _containerd(o: Options, inst: Install, w: World, builds: list) -> tuple[list, list]:
@@ -135,7 +137,7 @@ def _containerd(o: Options, inst: Install, w: World, builds: list) -> tuple[list
     if o.version is not None and o.version < (1, 7):
         notes.append(f"containerd {versions.shown(o.version)}: the runtime handler is the Kubernetes route here "
                      "(CDI in the CRI plugin needs 1.7)")
-    return [*_on_path("nvidia-container-cli", inst, w), own, *([main] if main else [])], notes
+    return [*_on_path("nvidia-container-cli", inst, w, o), own, *([main] if main else [])], notes
 
 
 def _crio(o: Options, inst: Install, w: World, builds: list) -> tuple[list, list]:
@@ -213,7 +215,7 @@ def steps(o: Options, inst: Install, w: World) -> Steps:
     else:
         changes, more = {"docker": _docker, "containerd": _containerd, "crio": _crio}[o.engine](o, inst, w, builds)
         notes += more
-    unit_changes, calls, _ = _served(o, inst, w)
+    unit_changes, calls, _ = _served(o, inst, w) if o.units else ([], [], [])
     cdi = [WriteFile(CDI_SPEC, o.cdi_spec, old=w.read(CDI_SPEC))] if o.cdi_spec is not None else []
     if not o.cdi:
         notes.append(f"for CDI devices, add --cdi (or run: nvcontainer cdi generate --output {CDI_SPEC})")

@@ -11,7 +11,10 @@ import copy
 import json
 import re
 
+from ..documents import json_value
 from ..errors import NvcError, escape
+
+MAX_DOCUMENT = 16 << 20     # an engine's JSON configuration: far less
 
 ABSENT = {"nvcontainer-setup": "absent"}   # in an undo record: the key was not there
 
@@ -19,10 +22,7 @@ ABSENT = {"nvcontainer-setup": "absent"}   # in an undo record: the key was not 
 def parse(text: str | None, where: str) -> dict:
     if text is None or not text.strip():
         return {}
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise NvcError("setup", f"{escape(where)}: not valid JSON: {escape(str(exc), 200)}") from None
+    doc = json_value(text, escape(where), cap=MAX_DOCUMENT, category="setup")
     if not isinstance(doc, dict):
         raise NvcError("setup", f"{escape(where)}: not a JSON object")
     return doc

@@ -7,7 +7,8 @@ overwritten blindly. A file that existed is first copied to ``PATH.bak-<stamp>``
 change is shown as a unified diff. A symbolic link where a file is to be written is refused,
 not followed. Native programs are built before any file names them. What was done is recorded
 (:mod:`.record`) as it is done, so ``--undo`` can take back exactly that, even after a failure
-half-way.
+half-way, and each file is recorded before it is written, so even a process killed between
+two writes leaves nothing the undo does not know of.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def perform(s: Steps, *, prefix: str = "/", dry_run: bool = False, stamp: str = 
             out.append(_build(b, prefix, dry_run))
         for change in s.changes:
             if isinstance(change, WriteFile):
-                out.append(_write_file(change, prefix, dry_run, stamp, done))
+                out.append(_write_file(change, prefix, dry_run, stamp, done, s.engine))
             elif isinstance(change, RemoveFile):
                 out.append(_remove_file(change, prefix, dry_run))
             elif isinstance(change, Link):
@@ -111,7 +112,7 @@ def perform(s: Steps, *, prefix: str = "/", dry_run: bool = False, stamp: str = 
     return "\n".join(out)
 
 
-def _write_file(f: WriteFile, prefix: str, dry_run: bool, stamp: str, done: list[dict]) -> str:
+def _write_file(f: WriteFile, prefix: str, dry_run: bool, stamp: str, done: list[dict], engine: str) -> str:
     path = at(prefix, f.path)
     old = _still(path, f.path, f.old)
     if old == f.content:
@@ -123,8 +124,13 @@ def _write_file(f: WriteFile, prefix: str, dry_run: bool, stamp: str, done: list
         backup = f"{f.path}.bak-{stamp}"
         _write(at(prefix, backup), old, stat.S_IMODE(os.lstat(path).st_mode))
         note = f" (previous contents in {backup})"
+    # recorded before it is written: a process killed between the two (the installer's pod) leaves
+    # a record --undo can follow, never a change no record knows of (undo of a write that did not
+    # happen changes nothing: the file is not what the record says was written)
+    entry = records.wrote(f, backup)
+    records.save(prefix, engine, [entry])
     _write(path, f.content, f.mode)
-    done.append(records.wrote(f, backup))
+    done.append(entry)
     return f"wrote {f.path}{note}\n" + diff(old, f.content, f.path)
 
 

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 
+from ..documents import json_value
 from ..errors import NvcError, escape
 from .model import Link, WriteFile
 
@@ -51,12 +52,12 @@ def load(prefix: str, engine: str) -> list[dict]:
     except OSError as exc:
         raise NvcError("setup", f"{escape(path)}: {exc.strerror}") from None
     with open(fd, "rb") as f:
-        data = f.read(MAX_RECORD)
+        data = f.read(MAX_RECORD + 1)
     try:
-        entries = json.loads(data)["entries"]
+        entries = json_value(data, escape(path), cap=MAX_RECORD, category="setup")["entries"]
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
             raise ValueError("entries")
-    except (ValueError, KeyError, TypeError):
+    except (NvcError, ValueError, KeyError, TypeError):
         raise NvcError("setup", f"{escape(path)}: not a record of setup (corrupt): undo by hand") from None
     return entries
 

@@ -16,21 +16,20 @@ import json
 import re
 import tomllib
 
+from ..documents import toml_value
 from ..errors import NvcError, escape
 
-_BARE = re.compile(r"^[A-Za-z0-9_-]+$")
+_BARE = re.compile(r"[A-Za-z0-9_-]+")
+MAX_DOCUMENT = 16 << 20     # an engine's TOML configuration: far less
 
 
 def parse(text: str, where: str) -> dict:
     """The document, or one line naming the file and the fault."""
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise NvcError("setup", f"{escape(where)}: not valid TOML: {escape(str(exc), 200)}") from None
+    return toml_value(text, f"{escape(where)}: not valid TOML", cap=MAX_DOCUMENT, category="setup")
 
 
 def _key(key: str) -> str:
-    return key if _BARE.match(key) else json.dumps(key)
+    return key if _BARE.fullmatch(key) else json.dumps(key)
 
 
 def _value(value: object) -> str:

@@ -19,6 +19,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -33,6 +34,23 @@ THREADS_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 MEMORY_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 CONTROL = "control"              # the control daemon's named pipe in the pipe directory
+SHM = "shm"                      # a daemon's own /dev/shm, shared with its clients only
+# The daemon started in a mount namespace of its own with shm/ as its /dev/shm: our own Python,
+# isolated (-I -S: nothing from the environment or cwd), makes the namespace and the bind, then
+# execs the driver's program with the environment given unchanged. Not a preexec_fn: the kubelet
+# plugins are threaded, and only exec is safe after fork there.
+_IN_OWN_SHM = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def check(rc, what):
+    if rc != 0:
+        sys.stderr.write(what + ": " + os.strerror(ctypes.get_errno()) + "\\n"); sys.exit(1)
+check(libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
+check(libc.mount(None, b"/", None, 0x4000 | 0x40000, None), "mount --make-rprivate /")
+check(libc.mount(sys.argv[1].encode(), b"/dev/shm", None, 0x1000, None), "mount --bind " + sys.argv[1] + " /dev/shm")
+env = {k: v for k, v in os.environ.items() if k != "LC_CTYPE"}   # Python's own C-locale coercion
+os.execve(sys.argv[2], [sys.argv[2], "-d"], env)
+"""
 PROBE = "get_default_active_thread_percentage"
 QUIT = "quit"
 OUTPUT_LIMIT = 4096
@@ -40,10 +58,17 @@ OUTPUT_LIMIT = 4096
 
 def control_binary(inv) -> str:
     """The host path of the driver's ``nvidia-cuda-mps-control``, checked, or an error."""
-    found = next((b for b in inv.binaries if b.name == BINARY), None)
+    return driver_program(inv, BINARY, "MPS needs the driver's compute utilities")
+
+
+def driver_program(inv, name: str, needed: str) -> str:
+    """The path of the driver's program ``name`` as the inventory found it (never one from PATH
+    or an image), checked to be a regular file only root can change; an error saying why it is
+    ``needed`` when there is none. The one lookup of a driver program we run as root
+    (nvidia-cuda-mps-control, nvidia-smi)."""
+    found = next((b for b in inv.binaries if b.name == name), None)
     if found is None:
-        raise NvcError("driver", f"no {BINARY} in the driver's files (the inventory of "
-                                 f"{escape(inv.root)}): MPS needs the driver's compute utilities")
+        raise NvcError("driver", f"no {name} in the driver's files (the inventory of {escape(inv.root)}): {needed}")
     path = os.path.join(inv.root, found.path.lstrip("/"))
     try:
         st = os.lstat(path)
@@ -69,6 +94,15 @@ def is_pipe(path: str) -> bool:
 def daemon_env(directory: str, visible: str) -> dict[str, str]:
     """The whole environment of the daemon of ``directory``: nothing inherited."""
     return {"PATH": PATH, PIPE_ENV: f"{directory}/pipe", LOG_ENV: f"{directory}/log", "CUDA_VISIBLE_DEVICES": visible}
+
+
+def is_own_dir(path: str) -> bool:
+    """A real directory (not a link) of ours."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def owned_dir(path: str, mode: int = 0o755) -> None:
@@ -126,13 +160,21 @@ class Paths:
     def control(self) -> str:
         return f"{self.pipe}/{CONTROL}"
 
+    @property
+    def shm(self) -> str:
+        return f"{self.directory}/{SHM}"
+
 
 class Control(Paths):
     """The daemon of ``directory`` (``pipe/``, ``log/`` under it), seeing ``visible`` (the
-    ``CUDA_VISIBLE_DEVICES`` it is started with); ``name`` is how lines about it say it."""
+    ``CUDA_VISIBLE_DEVICES`` it is started with); ``name`` is how lines about it say it. With
+    ``shm``, the daemon gets ``shm/`` (mode 1777, as /dev/shm) as its /dev/shm, which its
+    clients are given too: one per daemon, so clients of other daemons (other tenants) never
+    see its shared memory."""
 
-    def __init__(self, name: str, directory: str, visible: str, binary: str, deadline: float):
+    def __init__(self, name: str, directory: str, visible: str, binary: str, deadline: float, shm: bool = False):
         self.name = name
+        self.own_shm = shm
         self.directory = directory
         self.visible = visible
         self.binary = binary
@@ -142,9 +184,11 @@ class Control(Paths):
         return daemon_env(self.directory, self.visible)
 
     def _run(self, args: list[str], stdin: str | None) -> tuple[int, str]:
+        own = self.own_shm and args == ["-d"]
+        argv = [sys.executable, "-I", "-S", "-c", _IN_OWN_SHM, self.shm, self.binary] if own else [self.binary, *args]
         with tempfile.TemporaryFile() as out:
             try:
-                proc = subprocess.run([self.binary, *args], input=stdin.encode() if stdin is not None else None,
+                proc = subprocess.run(argv, input=stdin.encode() if stdin is not None else None,
                                       stdin=subprocess.DEVNULL if stdin is None else None, stdout=out,
                                       stderr=out, env=self.env(), cwd="/", timeout=self.deadline, close_fds=True)
             except subprocess.TimeoutExpired:
@@ -157,14 +201,7 @@ class Control(Paths):
         """Whether the directory and its ``pipe/`` are real directories of ours, not symbolic
         links (lstat, component by component below our own state directory): a link planted in
         their place would send what we tell this daemon (``quit``) to another one."""
-        for path in (self.directory, self.pipe):
-            try:
-                st = os.lstat(path)
-            except OSError:
-                return False
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-                return False
-        return True
+        return is_own_dir(self.directory) and is_own_dir(self.pipe)
 
     def reachable(self) -> bool:
         """The daemon's control endpoint is there, reached through our own directories only."""
@@ -187,6 +224,8 @@ class Control(Paths):
         owned_dir(self.directory)
         owned_dir(self.pipe)
         owned_dir(self.log)
+        if self.own_shm:
+            owned_dir(self.shm, 0o1777)
         rc, said = self._run(["-d"], None)
         if rc != 0:
             return f"{BINARY} -d failed ({said})"

@@ -22,8 +22,9 @@ import sys
 import time
 
 from .. import log
-from ..errors import escape
-from . import health as rules
+from ..documents import json_value
+from ..errors import NvcError, escape
+from . import rules
 from .topology import from_report
 
 MAX_LINE = 1 << 20
@@ -33,8 +34,12 @@ CLOSE_WAITS = (1.0, 1.0, 6.0)      # seconds after each cancel; the last covers 
 WATCHER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
 
+NVML_PREFIX = "libnvidia-ml.so"
+NO_EVENTS = "no-events:"      # _run_once's answer for a driver without NVML's event API
+
+
 def watcher_argv() -> list[str]:
-    return [sys.executable, "-I", "-m", "nvcontainer.deviceplugin.watcher"]
+    return [sys.executable, "-I", "-m", "nvcontainer.health.watcher"]
 
 
 class Monitor:
@@ -42,7 +47,9 @@ class Monitor:
     with a :class:`topology.Topology` when the watcher reports one."""
 
     def __init__(self, inv, library: str, settings, user, publish, on_topology, say, *,
-                 numa: dict | None = None, argv=None, start_timeout: float = 30.0, clock=time.monotonic):
+                 numa: dict | None = None, argv=None, start_timeout: float = 30.0, clock=time.monotonic,
+                 on_unmonitored=None):
+        self.on_unmonitored = on_unmonitored or (lambda why: None)
         self.inv = inv
         self.library = library
         self.settings = settings
@@ -96,6 +103,13 @@ class Monitor:
             why = await self._run_once()
             if self._closing:
                 return
+            if why.startswith(NO_EVENTS):
+                # NVIDIA's plugins: a driver without the event API keeps every device, unwatched
+                self._update(rules.Health())
+                self._state(f"health checks off: the driver's NVML has no event API ({why[len(NO_EVENTS):]}); "
+                            "every device stays available, unmonitored")
+                self.on_unmonitored(why[len(NO_EVENTS):])
+                return
             if self.clock() - started > 10 * BACKOFF_MAX:
                 backoff = BACKOFF_FIRST
             self._update(rules.on_down(self.health, why))
@@ -142,14 +156,16 @@ class Monitor:
             if self._closing:
                 return "closing"
             try:
-                msg = json.loads(line)
-            except ValueError:
+                msg = json_value(line, "line", cap=MAX_LINE)
+            except NvcError:
                 return "a line that is not JSON"
             if not isinstance(msg, dict):
                 return "a line that is not a JSON object"
             kind = msg.get("ev")
             if kind == "error":
                 error = f"NVML failed: {escape(msg.get('why'), 200)}"
+            elif kind == "no-events":
+                return NO_EVENTS + escape(msg.get("why"), 200)
             elif kind == "ready":
                 timeout = self.settings.heartbeat_timeout_seconds
                 unwatched = msg.get("unwatched")
@@ -188,3 +204,11 @@ async def _kill(proc) -> None:
         await asyncio.wait_for(proc.wait(), 5)
     except asyncio.TimeoutError:
         log.warning(f"health watcher {proc.pid} did not die")
+
+
+def nvml_library(inv) -> str | None:
+    """The host path of the NVML library the inventory chose (the running driver's version)."""
+    for lib in inv.libraries:
+        if lib.name == NVML_PREFIX:
+            return os.path.join(inv.root, lib.path.lstrip("/"))
+    return None

@@ -1,6 +1,6 @@
 """The health watcher: a child program that holds NVML's event set and reports what it sees.
 
-    python -I -m nvcontainer.deviceplugin.watcher   (a JSON request on stdin; JSON lines on stdout)
+    python -I -m nvcontainer.health.watcher   (a JSON request on stdin; JSON lines on stdout)
 
 Why a separate program: NVML is vendor code that starts threads, can hang in the driver and can
 crash, and the plugin is a multi-threaded gRPC server, where ``fork()`` without ``exec`` is not
@@ -30,6 +30,9 @@ import signal
 import sys
 import time
 
+from ..documents import json_value
+from ..errors import NvcError
+
 MAX_REQUEST = 1 << 20
 MAX_GPUS = 256
 EVENT_MASK = 0x1 | 0x2 | 0x8        # single-bit ECC, double-bit ECC, XID critical (as upstream)
@@ -39,11 +42,13 @@ MAX_LINKS = 36                      # NVML_NVLINK_MAX_LINKS
 def main() -> int:
     parent = os.getppid()
     try:
-        request = json.loads(sys.stdin.buffer.read(MAX_REQUEST))
+        request = json_value(sys.stdin.buffer.read(MAX_REQUEST + 1), "request", cap=MAX_REQUEST)
         library, gpus = request["library"], request["gpus"][:MAX_GPUS]
         user, interval = request.get("user"), float(request["interval"])
         if not (isinstance(library, str) and all(isinstance(g, str) for g in gpus) and 0.01 <= interval <= 60):
             raise ValueError("bad request")
+    except NvcError as exc:
+        return _fail(f"bad request: {exc.detail}")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return _fail(f"bad request: {exc}")
     try:
@@ -101,7 +106,11 @@ def _watch(library: str, uuids: list[str], user, interval: float, parent: int) -
         except nv.NVMLError as exc:
             unwatched[uuid] = str(exc)
             missing.append(uuid)
-    events = nv.nvmlEventSetCreate()
+    try:
+        events = nv.nvmlEventSetCreate()
+    except nv.NVMLError as exc:      # a driver without the event API (NVIDIA's plugins: health checks off)
+        _emit({"ev": "no-events", "why": f"nvmlEventSetCreate: {exc}"})
+        return 0
     for uuid, handle in handles.items():
         try:
             supported = nv.nvmlDeviceGetSupportedEventTypes(handle)

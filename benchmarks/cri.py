@@ -1,0 +1,205 @@
+"""containerd's CRI with the runtime handler ``nvidia`` (issue 33): a pod's container started as
+the kubelet starts it (RunPodSandbox, CreateContainer, StartContainer, until it exits), timed,
+NVIDIA's handler beside ours in the same run.
+
+The same node as ``benchmarks/docker.py`` (its fronts, hooks and NVIDIA's anchors, built by its
+``setup``), here registered as containerd handlers: ``runc`` (the default), ``nvidia`` (our shim,
+served), ``nvidia-toolkit`` (NVIDIA's runtime 1.17.9, legacy mode). Arms: ``runc``, ``shim-nogpu``
+(handler nvidia, no GPU asked), ``served`` (handler nvidia, ``NVIDIA_VISIBLE_DEVICES=0``),
+``nvidia`` and ``nvidia-nogpu``, and ``runc-named`` (runc itself as a handler with a
+``BinaryName``, the control for what containerd does for any such handler). A pod's time runs from RunPodSandbox to its container's exit
+(the sandbox goes through the handler too); the status is polled every 2 ms. The fake machine's
+containers have no ``/proc/driver/nvidia``: each GPU hook is chained behind a small program that
+mounts a tmpfs at the container's ``/proc/driver`` and makes ``nvidia`` in it first (docker's
+benchmark gets that tmpfs from ``--tmpfs``; CRI has no such option).
+
+    python -m benchmarks.cri [--runs 20] [--anchors ../shared/anchors/nvidia-anchors.tar.xz]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.fixtures import cri
+from tests.fixtures.fakegpu.runner import fake_proc_command
+
+from . import docker, nvidia, stats, workspace
+
+CHAIN_TMPFS = docker.CHAIN_C.replace("#include <sys/stat.h>", "#include <sys/stat.h>\n#include <sys/mount.h>").replace(
+    '        snprintf(path, sizeof path, "%s/proc/driver/nvidia", root);',
+    '        snprintf(path, sizeof path, "%s/proc/driver", root);\n'
+    '        if (mount("nvc-bench", path, "tmpfs", 0, "mode=755") < 0) _exit(5);\n'
+    '        snprintf(path, sizeof path, "%s/proc/driver/nvidia", root);')
+
+RUNTIMES = """
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+"""
+HANDLER = """[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{name}]
+  runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{name}.options]
+    BinaryName = "{path}"
+"""
+
+# the world: /run and /etc as the docker benchmark has them, the server, containerd, the images
+SCRIPT = r"""
+set -e
+base=$1 config=$2 etc=$3 python=$4 serve_config=$5
+shift 5
+mount -t tmpfs -o mode=755 nvc-run /run
+mkdir -p "$base/etc-upper" "$base/etc-work"
+mount -t overlay nvc-etc -o "lowerdir=$etc:/etc,upperdir=$base/etc-upper,workdir=$base/etc-work" /etc
+mkdir -m 700 /run/nvcontainer
+"$python" -m nvcontainer --config "$serve_config" serve --socket /run/nvcontainer/hook.sock 2> "$base/serve.err" &
+for i in $(seq 100); do [ -S /run/nvcontainer/hook.sock ] && break; sleep 0.1; done
+containerd --config "$config" > "$base/containerd.log" 2>&1 &
+daemon=$!
+for i in $(seq 150); do [ -S "$base/c.sock" ] && break; sleep 0.1; done
+for image in image.tar pause.tar; do
+    ctr --address "$base/c.sock" -n k8s.io images import --snapshotter native "$base/$image" > /dev/null
+done
+set +e
+"$@"
+rc=$?
+kill $daemon; wait $daemon 2>/dev/null
+exit $rc
+"""
+
+# the kubelet's part, timed: argv[1] socket, argv[2] logs, argv[3] rounds, argv[4] {arm: [handler, env]}
+LOOP = r"""
+import time
+rounds, arms = int(sys.argv[3]), json.loads(sys.argv[4])
+names = list(arms)
+for r in range(rounds):
+    for k in range(len(names)):
+        arm = names[(k + r) % len(names)]
+        handler, env = arms[arm]
+        pod = msg(1, msg(1, f"p-{arm}-{r}"), msg(2, f"u-{arm}-{r}"), msg(3, "default")) + msg(3, logs) \
+            + msg(8, msg(2, msg(1, num(1, 2))))
+        t0 = time.perf_counter()
+        rc = -1
+        try:
+            sandbox = call("RunPodSandbox", msg(1, pod) + msg(2, handler))[1][0].decode()
+            config = msg(1, msg(1, "c")) + msg(2, msg(1, IMAGE)) + msg(3, "/bin/true") \
+                + b"".join(msg(6, msg(1, a), msg(2, b)) for a, b in (e.split("=", 1) for e in env)) \
+                + msg(11, f"{arm}-{r}.log")
+            container = call("CreateContainer", msg(1, sandbox) + msg(2, config) + msg(3, pod))[1][0].decode()
+            call("StartContainer", msg(1, container))
+            while True:
+                status = fields(call("ContainerStatus", msg(1, container))[1][0])
+                if status.get(3, [0])[0] == 2:
+                    break
+                time.sleep(0.002)
+            rc = status.get(7, [0])[0]
+            us = int((time.perf_counter() - t0) * 1e6)
+            call("StopPodSandbox", msg(1, sandbox))
+            call("RemovePodSandbox", msg(1, sandbox))
+        except grpc.RpcError as exc:
+            us = int((time.perf_counter() - t0) * 1e6)
+            print(f"E {arm} {exc.code()}: {exc.details()}"[:600], flush=True)
+        print(f"T {arm} {r} {us} {rc}", flush=True)
+"""
+
+
+def chain(base: Path, real: str | Path, extra: str | None = None) -> Path:
+    """docker.chain's program, mounting the tmpfs first (CHAIN_TMPFS)."""
+    base.mkdir(parents=True, exist_ok=True)
+    source = base / "chain-tmpfs.c"
+    source.write_text(CHAIN_TMPFS)
+    program = base / "nvidia-container-runtime-hook"
+    cc = shutil.which("musl-gcc") or "gcc"
+    defines = [f'-DREAL="{real}"'] + ([f'-DEXTRA="{extra}"'] if extra is not None else [])
+    subprocess.run([cc, "-static", "-O2", *defines, "-o", str(program), str(source)], check=True)
+    return program
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cri", description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20, help="timed pods per arm, after the first (default 20)")
+    parser.add_argument("--anchors", type=Path, default=nvidia.TARBALL)
+    parser.add_argument("--out", type=Path, default=docker.RESULTS)
+    args = parser.parse_args(argv)
+    load_start = os.getloadavg()
+    ws, machine = workspace.with_machine("nvc-bench-cri-")
+    base = ws.base.parent
+    try:
+        cri.prepare(base)
+        daemon, etc, _docker_arms, about = docker.setup(base, ws, machine, args.anchors)
+        runtimes = json.loads(daemon.read_text())["runtimes"]
+        node = base / "node"
+        chain(node / "hook-served", ws.native_client)            # the served front's hook, with the tmpfs
+        if "nvidia-toolkit" in runtimes:
+            chain(node / "hook-nvidia", nvidia.hook_entry(base, machine, args.anchors)["path"])
+        text = (base / "config.toml").read_text() + RUNTIMES + "".join(
+            HANDLER.format(name=name, path=runtimes[key]["path"])
+            for name, key in (("nvidia", "nvidia"), ("nvidia-toolkit", "nvidia-toolkit")) if key in runtimes) + \
+            HANDLER.format(name="runc-named", path=shutil.which("runc"))
+        config = base / "bench.toml"
+        config.write_text(text)
+        gpu = ["NVIDIA_VISIBLE_DEVICES=0"]
+        # runc-named: runc itself as a handler with a BinaryName, as ours and NVIDIA's are (the
+        # control for what containerd does differently for such a handler)
+        arms = {"runc": ["", []], "runc-named": ["runc-named", []], "shim-nogpu": ["nvidia", []],
+                "served": ["nvidia", gpu]}
+        if "nvidia-toolkit" in runtimes:
+            arms.update({"nvidia": ["nvidia-toolkit", gpu], "nvidia-nogpu": ["nvidia-toolkit", []]})
+        helpers = cri.CLIENT[:cri.CLIENT.index("sock, logs, wanted")]
+        client = helpers + "sock, logs = sys.argv[1], sys.argv[2]\nIMAGE = " + json.dumps(cri.IMAGE) + \
+            "\nchannel = grpc.insecure_channel('unix://' + sock)\n" + \
+            "def call(method, request):\n    rpc = channel.unary_unary('/runtime.v1.RuntimeService/' + method, " \
+            "request_serializer=None, response_deserializer=None)\n    return fields(rpc(request, timeout=120))\n" + LOOP
+        inner = ["sh", "-c", SCRIPT, "sh", str(base), str(config), str(etc), str(ws.python), str(node / "served.toml"),
+                 sys.executable, "-I", "-c", client, str(base / "c.sock"), str(base / "logs"), str(args.runs + 1),
+                 json.dumps(arms)]
+        outer = ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--propagation", "private", "--",
+                 *fake_proc_command(machine, inner)]
+        res = subprocess.run(outer, capture_output=True, text=True, timeout=3600,
+                             env={"PATH": workspace.SERVER_ENV["PATH"], "HOME": str(base)})
+        samples: dict[str, list] = {arm: [] for arm in arms}
+        errors = []
+        for line in res.stdout.splitlines():
+            if line.startswith("T "):
+                _, arm, rnd, us, rc = line.split()
+                samples[arm].append((int(rnd), int(us) / 1000, int(rc)))
+            elif line.strip():
+                errors.append(line)
+        timed = {arm: [ms for r, ms, rc in s if r > 0 and rc == 0] for arm, s in samples.items()}
+        if any(len(s) != args.runs for s in timed.values()):
+            sys.stderr.write(f"benchmarks.cri: failed pods\n{chr(10).join(errors[-10:])}\n{res.stderr[-2000:]}\n"
+                             f"{cri.log(base)[-1500:]}\n")
+            return 1
+        over = {arm: stats.paired_median(s, timed["runc"]) for arm, s in timed.items() if arm != "runc"}
+        ratio = over["served"] / over["nvidia"] if "nvidia" in over and over["nvidia"] > 0 else None
+        load_end = os.getloadavg()
+        lines = [f"containerd CRI pod (RunPodSandbox .. exit of /bin/true), {args.runs} per arm after the first, "
+                 f"alternating; load {load_start[0]:.1f} -> {load_end[0]:.1f}; {about}",
+                 f"{'arm':<14}{'median':>9}{'p95':>9}{'min':>9}{'over runc':>11}"]
+        for arm, s in timed.items():
+            m = stats.summary(s)
+            o = over.get(arm)
+            lines.append(f"{arm:<14}{m['median']:9.1f}{m['p95']:9.1f}{m['min']:9.1f}{'' if o is None else f'{o:+11.1f}'}")
+        if ratio is not None:
+            lines.append(f"served overhead / NVIDIA's: {ratio:.2f}x (target <= {docker.RATIO_TARGET}x: "
+                         f"{'met' if ratio <= docker.RATIO_TARGET else 'NOT MET'})")
+        nogpu = stats.paired_median(timed["shim-nogpu"], timed["runc-named"])
+        lines.append(f"no GPU through the handler over runc: {over['shim-nogpu']:+.1f} ms; over runc as a named "
+                     f"handler: {nogpu:+.1f} ms (target <= {docker.NOGPU_TARGET_MS} ms: "
+                     f"{'met' if nogpu <= docker.NOGPU_TARGET_MS else 'NOT MET'})")
+        sys.stdout.write("\n".join(lines) + "\n")
+        workspace.save(args.out, "cri", {"runs": args.runs, "nvidia_arm": about, "over_runc_ms": over,
+                                         "ratio_to_nvidia": ratio, "loadavg": [load_start, load_end],
+                                         "arms": {arm: {"summary": stats.summary(s), "ms": s}
+                                                  for arm, s in timed.items()}})
+        return 0
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
