@@ -18,7 +18,7 @@ from tests.fixtures.nodeharness import manifests
 from tests.fixtures.nodeharness.kubelets import device_kubelet
 from tests.fixtures.nodeharness.workload import PROBE, facts
 from tests.test_engines_setup import cri_node, node   # noqa: F401 (node: a fixture, on this module's machine)
-from tests.test_nodeharness_dra_demos import DEMOS, _cluster, allocated, gpus_seen
+from tests.test_nodeharness_dra_demos import DEMOS, _cluster, allocated, gpus_seen, start_installer
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,7 @@ def _cri(hnode, node, tmp_path, containers, *, cdi: bool = False):   # noqa: F81
 
 def test_device_plugin_pod_through_the_cri(hnode, node, tmp_path):   # noqa: F811
     objects = manifests.render("base")
+    installer = start_installer(hnode, objects)
     run = hnode.run_pod(manifests.daemonsets(objects)["nvcontainer-device-plugin"], objects)
     kubelet = device_kubelet(hnode)
     try:
@@ -70,6 +71,8 @@ def test_device_plugin_pod_through_the_cri(hnode, node, tmp_path):   # noqa: F81
     finally:
         kubelet.stop()
         assert set(run.stop().values()) == {0}, run.log()
+        if installer is not None:
+            installer.stop()
     got, context = _cri(hnode, node, tmp_path, containers)
     index = {g["uuid"]: g["index"] for g in hnode.machine.description()["gpus"]}
     for i, device in enumerate(devices):

@@ -122,7 +122,7 @@ def _keeps_running(node, run, objects):
 
 CHECKS = {"nvcontainer-device-plugin": _device_plugin, "nvcontainer-node-labeller": _labeller,
           "nvcontainer-mps-daemon": _mps_daemon, "nvcontainer-dra-driver": _dra_driver}
-ORDER = ["nvcontainer-mps-daemon"]       # the MPS plugin advertises a GPU once its daemon is up
+ORDER = ["nvcontainer-installer", "nvcontainer-mps-daemon"]   # the plugins wait for the installer; MPS, its daemon
 
 
 @pytest.mark.parametrize("kustomizations", _distinct())

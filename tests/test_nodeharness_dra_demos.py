@@ -142,8 +142,6 @@ def mps(*texts: str) -> None:
     assert all(shares_shm(a, b) for a, b in zip(texts, texts[1:])), texts
 
 
-@pytest.mark.xfail(strict=True, reason="needs dra32: one MPS daemon per config group, its edits on that group's "
-                   "devices only (the time-sliced containers are MPS clients today), its own /dev/shm")
 def test_gpu_test5_time_sliced_and_mps_in_one_claim(demo):
     out = run_demo(demo, "gpu-test5")["pod0"]
     ts, mps_gpu = allocated(demo, "gpu-test5", "pod0-shared-gpus", "ts-gpu"), \
@@ -158,7 +156,6 @@ def test_gpu_test5_time_sliced_and_mps_in_one_claim(demo):
     assert not shares_shm(out["ts-ctr0"][1], out["ts-ctr1"][1])
 
 
-@pytest.mark.xfail(strict=True, reason="needs dra32: MPS clients get no /dev/shm shared with their daemon")
 def test_gpu_test_mps_two_clients_of_one_daemon(demo):
     out = run_demo(demo, "gpu-test-mps")["test-pod"]
     want = allocated(demo, "gpu-test-mps", "test-pod-shared-gpu")
@@ -190,6 +187,12 @@ def test_gpu_test4_mig_devices_of_one_parent(harness_node_factory):
         run.stop()
 
 
+def start_installer(node, objects):
+    """The base's installer DaemonSet, when it has one: the plugin's init container waits for it."""
+    sets = manifests.daemonsets(objects)
+    return node.run_pod(sets["nvcontainer-installer"], objects) if "nvcontainer-installer" in sets else None
+
+
 def test_device_plugin_pod_gets_exactly_its_gpu(cluster):
     """The device plugin's equivalent: the base kustomization's plugin from the image (on the
     same node, beside the DRA driver), a pod asking nvidia.com/gpu: 1 under the nvidia runtime
@@ -197,6 +200,7 @@ def test_device_plugin_pod_gets_exactly_its_gpu(cluster):
     hook injects the GPU)."""
     node = cluster.node
     objects = manifests.render("base")
+    installer = start_installer(node, objects)
     run = node.run_pod(manifests.daemonsets(objects)["nvcontainer-device-plugin"], objects)
     kubelet = device_kubelet(node)
     try:
@@ -224,6 +228,8 @@ def test_device_plugin_pod_gets_exactly_its_gpu(cluster):
     finally:
         kubelet.stop()
         assert set(run.stop().values()) == {0}, run.log()
+        if installer is not None:
+            installer.stop()
 
 
 def test_a_spec_naming_the_plugins_own_view_is_caught(harness_node_factory):
