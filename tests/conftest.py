@@ -13,7 +13,7 @@ import pytest
 # this process turns it off; the plugin it starts gets the environment without it.
 os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
 
-pytest_plugins = ["tests.fixtures.fakegpu.plugin"]
+pytest_plugins = ["tests.fixtures.fakegpu.plugin", "tests.fixtures.nodeharness.plugin"]
 
 
 @pytest.fixture(scope="session")
