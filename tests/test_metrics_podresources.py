@@ -80,7 +80,8 @@ class FakeKubelet:
     def __init__(self, path: Path):
         self.mode = "ok"
         self.calls = 0
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.executor = futures.ThreadPoolExecutor(max_workers=4)
+        self.server = grpc.server(self.executor)
         handler = grpc.method_handlers_generic_handler("v1.PodResourcesLister", {
             "List": grpc.unary_unary_rpc_method_handler(
                 self.list, request_deserializer=pr.ListPodResourcesRequest.FromString,
@@ -99,7 +100,10 @@ class FakeKubelet:
         return b"\xff\xff\xff\xff garbage" if self.mode == "garbage" else message.SerializeToString()
 
     def stop(self):
-        self.server.stop(0)
+        """The server and its threads gone: tests that fork in-process workers after this one
+        refuse to fork from a multi-threaded process (apply/worker.py)."""
+        self.server.stop(0).wait(5)
+        self.executor.shutdown(wait=True)
 
 
 def test_the_fake_kubelet_is_served_by_the_generated_stub_too(tmp_path):

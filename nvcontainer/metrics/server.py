@@ -73,16 +73,24 @@ class Server(ThreadingHTTPServer):
         self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
         self.jobs: queue.Queue = queue.Queue()
         super().__init__(address, _Handler)
-        threading.Thread(target=self._work, name="scrape", daemon=True).start()
+        self._worker = threading.Thread(target=self._work, name="scrape", daemon=True)
+        self._worker.start()
 
     def _work(self):
         while True:
             job = self.jobs.get()
+            if job is None:            # server_close: the process may go on (an embedding, a test)
+                return
             try:
                 job["result"] = self.scrape_fn()
             except Exception as exc:   # the scrape handles its sources' failures; this is a bug's net
                 job["error"] = f"{type(exc).__name__}: {exc}"
             job["done"].set()
+
+    def server_close(self):
+        super().server_close()
+        self.jobs.put(None)
+        self._worker.join(5)
 
     def server_bind(self):
         if self.address_family == socket.AF_INET6:
