@@ -26,6 +26,7 @@ import time
 from .. import log
 from ..errors import NvcError, escape
 from ..fs.bounded import read_at_most
+from ..fs.replace import replace
 
 BINARY = "nvidia-cuda-mps-control"
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
@@ -118,21 +119,8 @@ def owned_dir(path: str, mode: int = 0o755) -> None:
 
 
 def write_atomic(path: str, text: str) -> None:
-    directory, name = os.path.split(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fchmod(f.fileno(), 0o644)
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """The readiness marker, whole or not at all (fs/replace.py's one atomic replace)."""
+    replace(path, text.encode(), 0o644)
 
 
 def _first_line(f) -> str:
