@@ -3,28 +3,17 @@ FIFO (opened non-blocking and checked to be a regular file), text, one error lin
 
 from __future__ import annotations
 
-import os
-import stat
-
 from ..errors import NvcError, escape
-from ..fs.bounded import read_at_most
+from ..fs.bounded import Refused, read_regular
 
 
 def read_text(path: str, limit: int, what: str) -> str:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-    except OSError as exc:
-        raise NvcError("input", f"{what} {escape(path)}: {escape(exc.strerror or exc)}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NvcError("input", f"{what} {escape(path)}: not a regular file")
-        data, more = read_at_most(fd, limit)
-    except OSError as exc:
-        raise NvcError("input", f"{what} {escape(path)}: {escape(exc.strerror or exc)}") from None
-    finally:
-        os.close(fd)
-    if more:
-        raise NvcError("input", f"{what} {escape(path)}: larger than {limit} bytes")
+        data = read_regular(path, limit)[0]
+    except Refused as exc:
+        raise NvcError("input", f"{what} {escape(path)}: {exc}") from None
+    except (OSError, ValueError) as exc:
+        raise NvcError("input", f"{what} {escape(path)}: {escape(getattr(exc, 'strerror', None) or exc)}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 
 from ...cdi import store
 from ...documents import json_value
 from ...errors import NvcError, escape
-from ...fs.bounded import read_at_most
+from ...fs.bounded import Refused, read_regular
 from . import claimspec
 
 NAME = "checkpoint.json"
@@ -64,21 +63,13 @@ def save(directory: str, claims: dict[str, dict]) -> None:
 
 def _read(path: str) -> dict[str, dict]:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        data = read_regular(path, MAX_BYTES, follow=False)[0]
     except FileNotFoundError:
         raise
+    except Refused as exc:
+        raise NvcError("input", f"{escape(path)}: {exc}") from None
     except OSError as exc:
         raise NvcError("input", f"{escape(path)}: {exc.strerror}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NvcError("input", f"{escape(path)}: not a regular file")
-        data, more = read_at_most(fd, MAX_BYTES)
-    except OSError as exc:
-        raise NvcError("input", f"{escape(path)}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    if more:
-        raise NvcError("input", f"{escape(path)}: larger than {MAX_BYTES} bytes")
     doc = json_value(data, escape(path), cap=MAX_BYTES)
     if not isinstance(doc, dict) or doc.get("version") != VERSION or not isinstance(doc.get("claims"), dict):
         raise NvcError("input", f"{escape(path)}: not a version {VERSION} checkpoint")
