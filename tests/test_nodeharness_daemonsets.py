@@ -34,20 +34,37 @@ def _distinct() -> list[str]:
     """The kustomizations, those rendering the same pods as one ('dra+dra/v1beta1': the served
     API version changes the DeviceClasses only): each distinct set of pods runs once."""
     groups: dict[str, list[str]] = {}
-    for k in KUSTOMIZATIONS:
+    for k in (k for k in KUSTOMIZATIONS if not _component(k)):
         groups.setdefault(_pods_of(k), []).append(k)
     return ["+".join(g) for g in groups.values()]
 GPUS = 2
 FEATURES = "/etc/kubernetes/node-feature-discovery/features.d/nvcontainer"
 
 
+def _component(kustomization: str) -> bool:
+    """A kustomize Component (the metrics' ServiceMonitor) only adds to the kustomizations that
+    include it: it runs with them, and has no pod of its own."""
+    text = (manifests.DEPLOY / kustomization / "kustomization.yaml").read_text()
+    return any(line.strip() == "kind: Component" for line in text.splitlines())
+
+
+def _cluster(kustomization: str) -> list[dict]:
+    """What the cluster holds when a kustomization's pods run: its own objects and, for an add-on
+    applied over the base (one without a Namespace of its own, as metrics), the base's objects
+    but its DaemonSets: its namespace, ConfigMap and the RuntimeClass the add-on's pods name."""
+    objects = manifests.render(kustomization)
+    if any(o.get("kind") == "Namespace" for o in objects):
+        return objects
+    return [o for o in manifests.render("base") if o.get("kind") != "DaemonSet"] + objects
+
+
 def test_every_kustomization_is_covered():
     """The list this module runs is every directory with a kustomization (a new one is picked
-    up, not skipped), and every one of them has a DaemonSet to run."""
+    up, not skipped), and every one of them but a Component has a DaemonSet to run."""
     found = {str(p.parent.relative_to(manifests.DEPLOY)) for p in manifests.DEPLOY.rglob("kustomization.yaml")}
     assert set(KUSTOMIZATIONS) == found and {"base", "dra"} <= found
     for k in KUSTOMIZATIONS:
-        assert manifests.daemonsets(manifests.render(k)), k
+        assert _component(k) or manifests.daemonsets(manifests.render(k)), k
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +144,7 @@ ORDER = ["nvcontainer-installer", "nvcontainer-mps-daemon"]   # the plugins wait
 
 @pytest.mark.parametrize("kustomizations", _distinct())
 def test_daemonsets_run_from_the_image(node, kustomizations):
-    objects = manifests.render(kustomizations.split("+")[0])
+    objects = _cluster(kustomizations.split("+")[0])
     sets = manifests.daemonsets(objects)
     names = sorted(sets, key=lambda n: (n not in ORDER, n))
     runs = {}
@@ -152,7 +169,7 @@ def _daemonset(container: dict, **spec) -> dict:
 
 
 @pytest.mark.parametrize("container,spec,field", [
-    ({"ports": [{"containerPort": 80}]}, {}, "spec.template.spec.containers[0].ports"),
+    ({"ports": [{"containerPort": 80, "hostPort": 80}]}, {}, "spec.template.spec.containers[0].ports[0].hostPort"),
     ({"livenessProbe": {}}, {}, "spec.template.spec.containers[0].livenessProbe"),
     ({"envFrom": []}, {}, "spec.template.spec.containers[0].envFrom"),
     ({"securityContext": {"seLinuxOptions": {}}}, {},
