@@ -30,7 +30,7 @@ import time
 import types
 from pathlib import Path
 
-from .shell import GPU_ENV, sh
+from .shell import GPU_ENV, collect, end_container, sh
 
 MPS_TABLE = {"sharing": "mps", "replicas": 2}
 NODE_NAME = "realgpu-node"
@@ -238,13 +238,7 @@ def mps(node, template: Path) -> None:
         node.block("get_client_list (during)", out["clients_during"])
         runs = []
         for bundle, proc in zip(bundles, procs):
-            try:
-                stdout, err = proc.communicate(timeout=180)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                stdout, err = proc.communicate()
-            result = {"argv": proc.args, "rc": proc.returncode, "ms": 0, "stdout": stdout.decode(errors="replace"),
-                      "stderr": err.decode(errors="replace")[-4000:]}
+            result = collect(proc)
             node.block(f"MPS client {bundle.name}", result)
             runs.append(result)
             sh([*node.runc, "delete", "-f", bundle.name], env=node.runc_env)
@@ -407,13 +401,7 @@ def dra_mps(node, template: Path, server, kubelet, dirs: dict, gpus: list[str], 
     out["compute_mode_during"] = _compute_mode()
     out["clients"] = {}
     for label, bundle, proc in procs:
-        try:
-            stdout, err = proc.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, err = proc.communicate()
-        result = {"argv": proc.args, "rc": proc.returncode, "ms": 0, "stdout": stdout.decode(errors="replace"),
-                  "stderr": err.decode(errors="replace")[-4000:]}
+        result = collect(proc)
         node.block(f"claim container {label}", result)
         out["clients"][label] = result
         sh([*node.runc, "delete", "-f", bundle.name], env=node.runc_env)
@@ -454,11 +442,5 @@ def ps(node, template: Path) -> None:
         out["text"] = sh([*nvc, "ps"], timeout=60)
         node.block("nvcontainer ps", out["text"])
     finally:
-        sh([*runc, "kill", name, "KILL"], env=node.runc_env)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-        sh([*runc, "delete", "-f", name], env=node.runc_env)
+        end_container(runc, name, proc, node.runc_env)
         node.report["ps"] = out

@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .shell import GPU_ENV, sh
+from .shell import GPU_ENV, end_container, sh
 
 PORT = 19499
 WAIT = 60.0
@@ -128,11 +128,5 @@ def metrics(node, template: Path) -> None:
             exporter.kill()
             exporter.wait()
         out["exporter_stderr"] = err.read_text(errors="replace")[-4000:] if err.exists() else ""
-        sh([*runc, "kill", name, "KILL"], env=node.runc_env)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-        sh([*runc, "delete", "-f", name], env=node.runc_env)
+        end_container(runc, name, proc, node.runc_env)
         node.report["metrics"] = out

@@ -21,3 +21,25 @@ def sh(argv: list[str], *, env: dict | None = None, timeout: float = 120, input:
     return {"argv": argv, "rc": rc, "ms": round((time.perf_counter() - start) * 1000, 1),
             "stdout": out.decode(errors="replace")[-20000:], "stderr": err.decode(errors="replace")[-4000:]}
 
+
+
+def collect(proc: subprocess.Popen, timeout: float = 180) -> dict:
+    """A started container's outcome once it ends (killed past ``timeout``), shaped as :func:`sh`'s."""
+    try:
+        stdout, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, err = proc.communicate()
+    return {"argv": proc.args, "rc": proc.returncode, "ms": 0, "stdout": stdout.decode(errors="replace"),
+            "stderr": err.decode(errors="replace")[-4000:]}
+
+
+def end_container(runc: list[str], name: str, proc: subprocess.Popen, env: dict | None) -> None:
+    """Kill a container left holding the GPU, reap its ``runc run``, and delete its state."""
+    sh([*runc, "kill", name, "KILL"], env=env)
+    try:
+        proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+    sh([*runc, "delete", "-f", name], env=env)
