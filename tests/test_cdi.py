@@ -134,7 +134,8 @@ def test_spec_follows_the_machine(plain):
     assert "libcuda.so.1::/usr/lib/x86_64-linux-gnu/libcuda.so" in links
     assert "libcuda.so.550.54.14::/usr/lib/x86_64-linux-gnu/libcuda.so.1" in links
     assert hook_args(s, "update-ldcache") == ["--folder", "/usr/lib/x86_64-linux-gnu", "--folder",
-                                              "/usr/lib/i386-linux-gnu", "--ldconfig-path", "/sbin/ldconfig"]
+                                              "/usr/lib/i386-linux-gnu", "--ldconfig-path", "/sbin/ldconfig",
+                                              "--host-driver-version", "550.54.14"]
     assert hook_args(s, "disable-device-node-modification") == []
 
 
@@ -569,6 +570,34 @@ def test_update_ldcache_hook(plain, container):
     assert os.readlink(libdir / "libcuda.so.1") == "libcuda.so.550.54.14"
 
 
+@pytest.mark.parametrize("compat_major,used", [(999, True), (550, False), (470, False)])
+def test_update_ldcache_hook_gives_cuda_forward_compatibility(plain, container, compat_major, used):
+    """With --host-driver-version (the spec has it unless cuda-compat-mode is disabled), an
+    image's compat libcuda newer than the host driver is what the container's loader finds
+    first; an equal or older one (CUDA errors 803/804) is left out."""
+    pid, bundle, rootfs = container
+    libdir, compat = rootfs / "opt/nv", rootfs / "usr/local/cuda/compat"
+    libdir.mkdir(parents=True)
+    compat.mkdir(parents=True)
+    shutil.copy(plain.root / "usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14", libdir)
+    shutil.copy(plain.root / "usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14", compat / f"libcuda.so.{compat_major}.1.2")
+    res = run_hook(plain, pid, bundle, "update-ldcache", "--folder", "/opt/nv", "--ldconfig-path", "/sbin/ldconfig",
+                   "--host-driver-version", "550.54.14")
+    assert res.returncode == 0, res.stderr
+    first = "/usr/local/cuda/compat\n" if used else ""
+    assert (rootfs / "etc/ld.so.conf.d/00-nvcontainer-cdi.conf").read_text() == first + "/opt/nv\n"
+    found = [e.value for e in ldcache.read(str(rootfs / "etc/ld.so.cache")) if e.key == "libcuda.so.1"]
+    assert found[0] == ("/usr/local/cuda/compat/libcuda.so.1" if used else "/opt/nv/libcuda.so.1"), found
+
+
+@pytest.mark.parametrize("value", ["", "x", "550.54.14.1.2", "550..1", "-1", "5500000.1"])
+def test_host_driver_version_is_checked(value):
+    res = subprocess.run([*HOOK, "update-ldcache", "--folder", "/a", "--host-driver-version", value],
+                         capture_output=True, text=True, timeout=60, input="")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert "--host-driver-version" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_hook_at_create_container_stage_is_explained(plain, tmp_path):
     res = run_hook(plain, 1, tmp_path, "create-symlinks", "--link", "a::/b")
     assert res.returncode == 1
@@ -594,7 +623,8 @@ def test_hook_dispatches_every_cdi_hook():
 
 def test_cdi_hooks_are_in_the_hook_page():
     text = (ROOT / "man" / "nvcontainer-hook.1").read_text()
-    for name in (*cdi_hooks.SUBCOMMANDS, "--link", "--folder", "--ldconfig-path", "createRuntime"):
+    for name in (*cdi_hooks.SUBCOMMANDS, "--link", "--folder", "--ldconfig-path", "--host-driver-version",
+                 "createRuntime"):
         assert mentions(text, name), f"{name} is not documented in man/nvcontainer-hook.1"
 
 

@@ -56,7 +56,8 @@ def spec_dir(machine, tmp_path_factory):
     return runtime.cdi_spec_dir(machine, tmp_path_factory.mktemp("cdi"))
 
 
-def run_podman_cdi(machine, spec_dir: Path, base: Path, device: str, script: str, runtime_name: str = "crun"):
+def run_podman_cdi(machine, spec_dir: Path, base: Path, device: str, script: str, runtime_name: str = "crun",
+                   image=None):
     """``podman run --device DEVICE --rootfs`` with the spec in /var/run/cdi. The only hook.d
     entry is the test's /proc/driver tmpfs (a real driver's procfs has the directory)."""
     work = base / f"podman-{uuid.uuid4().hex[:8]}"
@@ -67,6 +68,8 @@ def run_podman_cdi(machine, spec_dir: Path, base: Path, device: str, script: str
             {"version": "1.0.0", "hook": entry, "when": {"always": True}, "stages": ["prestart"]}))
     (work / "containers.conf").write_text(runtime.PODMAN_CONF)
     rootfs = runtime.busybox_rootfs(work / "rootfs")
+    if image is not None:
+        image(rootfs)
     runroot = Path(tempfile.mkdtemp(prefix="nvc-pd-"))   # podman wants a runroot under 50 characters
     argv = ["podman", "--root", str(work / "storage"), "--runroot", str(runroot), "--storage-driver", "vfs",
             "--cgroup-manager", "cgroupfs", "--runtime", runtime_name, "--hooks-dir", str(hooks),
@@ -101,6 +104,29 @@ def test_one_gpu(machine, spec_dir, tmp_path, runtime_name):
     assert got["PARAMS"] == ["ModifyDeviceFiles: 0"]
     assert got["ENV"] == ["void"]
     assert host_mounts() == before
+
+
+@pytest.mark.parametrize("runtime_name", ["crun", "runc"])
+def test_cuda_forward_compat(machine, spec_dir, tmp_path, runtime_name):
+    """An image built for a newer CUDA (a compat libcuda 999.x under /usr/local/cuda/compat)
+    loads that libcuda through the spec's update-ldcache hook, as NVIDIA's enable-cuda-compat
+    hook gives it; the host's stays mounted where it was."""
+    if shutil.which(runtime_name) is None:
+        pytest.skip(f"{runtime_name} is not installed")
+
+    def image(rootfs: Path) -> None:
+        compat = rootfs / "usr/local/cuda/compat"
+        compat.mkdir(parents=True)
+        shutil.copy(machine.root / LIBDIR.lstrip("/") / "libcuda.so.550.54.14", compat / "libcuda.so.999.1.2")
+
+    script = ("echo \"FIRST:$(ldconfig -p | grep -E 'libcuda\\.so\\.1 .*x86-64' | head -1 | sed 's/.*=> //')\"\n"
+              "echo \"COMPATLINK:$(readlink /usr/local/cuda/compat/libcuda.so.1)\"\n"
+              "echo \"DROPIN:$(head -1 /etc/ld.so.conf.d/00-nvcontainer-cdi.conf)\"\n")
+    res = run_podman_cdi(machine, spec_dir, tmp_path, "nvidia.com/gpu=0", script, runtime_name, image=image)
+    assert res.returncode == 0, res.stderr
+    got = parse(res.stdout)
+    assert got["FIRST"] == ["/usr/local/cuda/compat/libcuda.so.1"], res.stdout
+    assert got["COMPATLINK"] == ["libcuda.so.999.1.2"] and got["DROPIN"] == ["/usr/local/cuda/compat"]
 
 
 def test_all_gpus(machine, spec_dir, tmp_path):

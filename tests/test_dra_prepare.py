@@ -105,6 +105,9 @@ def test_one_gpu_claim_gets_a_spec_of_its_own(inv, dirs):
     gpu1 = next(d for d in full["devices"] if d["name"] == inv.gpus[1].uuid)
     assert spec["devices"][0]["containerEdits"] == gpu1["containerEdits"]
     assert spec["containerEdits"] == full["containerEdits"]
+    # CUDA forward compatibility, as the node's own spec and the hook path give it
+    (ld,) = [h["args"] for h in spec["containerEdits"]["hooks"] if h["args"][1] == "update-ldcache"]
+    assert ld[-2:] == ["--host-driver-version", inv.driver_version]
     assert os.listdir(dirs[0]) == [claimspec.file_name(UID1)]     # nothing else, no temporary left
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 
 import pytest
 
@@ -132,13 +133,34 @@ def _dra_driver(node, run, objects):
         kubelet.close()
 
 
+def _metrics(node, run, objects):
+    """The exporter answers a scrape on the manifest's port (host network) with dcgm-exporter's
+    series for each GPU of the node, labelled with the node's name from the downward API."""
+    port = next(p["containerPort"] for ds in manifests.daemonsets(objects).values()
+                for c in ds["spec"]["template"]["spec"]["containers"] for p in c.get("ports", ())
+                if p.get("name") == "metrics")
+    run.wait_for("metrics: serving", timeout=60)
+    end, text = time.monotonic() + 30, ""
+    while "DCGM_FI_DEV_GPU_UTIL{" not in text:
+        assert run.running() and time.monotonic() < end, f"{text}\n{run.log()}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+                text = answer.read().decode()
+        except OSError:
+            time.sleep(0.5)
+    series = [line for line in text.splitlines() if line.startswith("DCGM_FI_DEV_GPU_UTIL{")]
+    assert len(series) == GPUS, text
+    assert all(f'Hostname="{node.name}"' in line for line in series), series
+
+
 def _keeps_running(node, run, objects):
     time.sleep(5)
     assert run.running(), run.log()
 
 
 CHECKS = {"nvcontainer-device-plugin": _device_plugin, "nvcontainer-node-labeller": _labeller,
-          "nvcontainer-mps-daemon": _mps_daemon, "nvcontainer-dra-driver": _dra_driver}
+          "nvcontainer-mps-daemon": _mps_daemon, "nvcontainer-dra-driver": _dra_driver,
+          "nvcontainer-metrics": _metrics}
 ORDER = ["nvcontainer-installer", "nvcontainer-mps-daemon"]   # the plugins wait for the installer; MPS, its daemon
 
 

@@ -66,6 +66,7 @@ class Options:
     allow: object = None   # selection.AllowList: the node's allowed-devices (None: every device)
     deadline: float = 20.0   # the configuration's deadline: each hook's timeout is this plus TIMEOUT_MARGIN
     host_root: str | None = None   # the driver root as the host's runtime sees it (None: as we read it)
+    cuda_compat: bool = True   # update-ldcache gets --host-driver-version (config cuda-compat-mode not disabled)
 
 
 def generate(inv: Inventory, opts: Options) -> Spec:
@@ -223,7 +224,8 @@ def _hooks(plan: Plan, inv: Inventory, opts: Options, mounts: dict[str, Mount]) 
     folders = list(plan.ldconfig.directories if plan.ldconfig else ())
     folders += [os.path.dirname(lib.path) for lib in (*inv.libraries, *inv.libraries32)]
     ld_args = [arg for folder in dict.fromkeys(folders) for arg in ("--folder", folder)]
-    hooks.append(_hook(opts, "update-ldcache", *ld_args, "--ldconfig-path", opts.ldconfig))
+    compat = ("--host-driver-version", inv.driver_version) if opts.cuda_compat else ()
+    hooks.append(_hook(opts, "update-ldcache", *ld_args, "--ldconfig-path", opts.ldconfig, *compat))
     hooks.append(_hook(opts, "disable-device-node-modification"))
     return tuple(hooks)
 

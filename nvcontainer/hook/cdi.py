@@ -24,17 +24,22 @@ MAX_LINKS = 4096
 MAX_PATH = 4096
 PARAMS = "/proc/driver/nvidia/params"
 DROP_IN = "/etc/ld.so.conf.d/00-nvcontainer-cdi.conf"
+COMPAT_DIR = "/usr/local/cuda/compat"   # plan.container's, not imported: the other hooks need none of it
 
 USAGE = f"""usage: {PROG} create-symlinks [--debug FILE] --link TARGET::LINK...
        {PROG} update-ldcache [--debug FILE] --folder DIR... [--ldconfig-path PATH]
+                             [--host-driver-version VERSION]
        {PROG} disable-device-node-modification [--debug FILE]
 
 CDI hooks: the engine's runtime runs them at createRuntime with the container's state on stdin.
+update-ldcache --host-driver-version: CUDA forward compatibility (NVIDIA's enable-cuda-compat
+hook): an image's /usr/local/cuda/compat libcuda newer than that driver is scanned first.
 """
 
 _OPTIONS = {
     "create-symlinks": {"--link": "links"},
-    "update-ldcache": {"--folder": "folders", "--ldconfig-path": "ldconfig"},
+    "update-ldcache": {"--folder": "folders", "--ldconfig-path": "ldconfig",
+                       "--host-driver-version": "host_driver_version"},
     "disable-device-node-modification": {},
 }
 _REPEATABLE = {"links", "folders"}
@@ -71,7 +76,16 @@ def parse_args(argv: list[str]) -> tuple[str, dict]:
         raise Usage("create-symlinks: at least one --link TARGET::LINK")
     if sub == "update-ldcache" and not opts["folders"]:
         raise Usage("update-ldcache: at least one --folder DIR")
+    version = opts.get("host_driver_version")
+    if version is not None and not _is_version(version):
+        raise Usage(f"update-ldcache: --host-driver-version {escape(version, 80)}: expected a driver version "
+                    "such as 550.54.14")
     return sub, opts
+
+
+def _is_version(text: str) -> bool:
+    parts = text.split(".")
+    return len(parts) <= 4 and all(0 < len(p) <= 6 and p.isascii() and p.isdigit() for p in parts)
 
 
 def parse_link(value: str) -> tuple[str, str]:
@@ -193,11 +207,22 @@ def _place(pinned, rootfs: str, actions: list[dict], owner, end: float) -> None:
 
 def _update_ldcache(pinned, rootfs: str, opts: dict, owner, end: float) -> None:
     """A drop-in naming the folders (so a later ldconfig in the container keeps them), then the
-    host's ldconfig in its sandbox, scanning them: one worker for both, as for a plan."""
+    host's ldconfig in its sandbox, scanning them: one worker for both, as for a plan.
+
+    With ``--host-driver-version``, CUDA forward compatibility as the hook path's ldconfig mode
+    gives it: when the image's compat libcuda is newer than the host driver, its directory comes
+    first, in the ldconfig run and in the drop-in (so a later ldconfig in the container keeps
+    it first), ahead of the host's libcuda. NVIDIA's specs run that as a hook of its own
+    (enable-cuda-compat) ordered by drop-in file names; here it is the same process and the
+    same ldconfig run, so the order is the argument order, and a start pays one process less.
+    Nothing from the image is mounted or opened beyond its names and ELF headers."""
     from ..apply import execute, ldconfig, worker
     from ..config.model import LDCONFIG, host_ldconfig
 
     folders = list(dict.fromkeys(opts["folders"]))
+    if opts.get("host_driver_version") and _wants_compat(pinned.pid, rootfs, opts["host_driver_version"]):
+        folders = [COMPAT_DIR, *(f for f in folders if f != COMPAT_DIR)]
+        log.info(f"CUDA forward compatibility: {COMPAT_DIR} scanned first")
     program = host_ldconfig(opts.get("ldconfig", LDCONFIG))
     if not program.startswith("/"):
         raise NvcError("input", f"--ldconfig-path {escape(program)}: must be an absolute host path")
@@ -221,6 +246,19 @@ def _update_ldcache(pinned, rootfs: str, opts: dict, owner, end: float) -> None:
     finally:
         job.close()
     log.info("ldconfig done")
+
+
+def _wants_compat(pid: int, rootfs: str, host_version: str) -> bool:
+    """Whether the image holds a compat libcuda newer than the host driver: its names and ELF
+    headers read in-root from the container's own mount view, as the hook path reads them."""
+    from ..plan.container import compat_libs, forward_compat
+    from ..plan.gather import open_rootfs
+
+    fd = open_rootfs(rootfs, pid)
+    try:
+        return forward_compat(compat_libs(fd), host_version)
+    finally:
+        os.close(fd)
 
 
 def _cover_params(pinned, rootfs: str, content: str, owner, end: float) -> None:

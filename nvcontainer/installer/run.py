@@ -203,7 +203,8 @@ class Node:
         try:
             inv = cached_inventory(cfg)
             opts = generate.Options(hook_path=os.path.join(self.bin_dir, "nvcontainer-hook"),
-                                    ldconfig=cfg.ldconfig_program(), deadline=cfg.deadline)
+                                    ldconfig=cfg.ldconfig_program(), deadline=cfg.deadline,
+                                    cuda_compat=cfg.cuda_compat_mode != "disabled")
             text = generate.render(generate.generate(inv, opts), "yaml", inv.driver_version)
         except NvcError as exc:
             if not self._cdi_said:

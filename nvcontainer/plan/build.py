@@ -17,7 +17,7 @@ from ..errors import NvcError, escape
 from ..inventory.model import DeviceNode, DriverFile, Gpu, Inventory
 from ..request.decide import Request
 from ..request.selection import Selection, allow_list, select
-from .container import COMPAT_DIR, ContainerFacts
+from .container import COMPAT_DIR, ContainerFacts, forward_compat
 from .model import (DEVICE_OPTIONS, IPC_OPTIONS, LIBRARY_OPTIONS, PROC_OPTIONS, Device, File, Ldconfig, Mount,
                     Plan, Symlink, Tmpfs)
 
@@ -367,9 +367,6 @@ def _compat(container: ContainerFacts, version: str, mode: str, compute: bool) -
     equal ones give CUDA errors 803/804); then the container's own loader is pointed at the
     image's compat directory by an ld.so.conf.d drop-in, and ldconfig scans it first.
     """
-    if mode == "disabled" or not compute:
-        return [], []
-    host_major = int(version.split(".")[0])
-    if not any(c.major > host_major for c in container.compat):
+    if mode == "disabled" or not compute or not forward_compat(container.compat, version):
         return [], []
     return [File(COMPAT_DROP_IN, COMPAT_DIR + "\n", 0o644)], [COMPAT_DIR]

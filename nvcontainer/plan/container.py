@@ -75,6 +75,13 @@ def parse_compat_name(name: str) -> tuple[str, int] | None:
     return m.group(1) + m.group(2), int(m.group(1))
 
 
+def forward_compat(compat: tuple[CompatLib, ...] | list[CompatLib], host_version: str) -> bool:
+    """Whether the image's compat libcuda is worth using on this host: only one whose major is
+    newer than the host driver's (an older or equal one gives CUDA errors 803/804)."""
+    host_major = int(host_version.split(".")[0])
+    return any(c.major > host_major for c in compat)
+
+
 def read_container(rootfs_fd: int, machine: str | None = None) -> ContainerFacts:
     """Read the facts from an O_PATH directory fd of the rootfs."""
     machine = machine or os.uname().machine
@@ -89,7 +96,7 @@ def read_container(rootfs_fd: int, machine: str | None = None) -> ContainerFacts
         has_lib=lib is not None,
     )
     return ContainerFacts(libs_dir=libs_dir, libs32_dir=libs32_dir, debian=debian,
-                          compat=tuple(_compat_libs(rootfs_fd, machine)))
+                          compat=tuple(compat_libs(rootfs_fd, machine)))
 
 
 def _exists(rootfs_fd: int, path: str) -> bool:
@@ -108,13 +115,14 @@ def _identity(rootfs_fd: int, path: str) -> tuple[int, int] | None:
         os.close(fd)
 
 
-def _compat_libs(rootfs_fd: int, machine: str) -> list[CompatLib]:
+def compat_libs(rootfs_fd: int, machine: str | None = None) -> list[CompatLib]:
     """``libcuda.so.X.Y.Z`` regular files in the image's CUDA compat directory.
 
     Only their names and ELF headers are read: the libraries themselves are never mounted or
     executed by us (CVE-2024-0132, CVE-2025-23359); the plan may only point the container's
     own loader at them with an ld.so.conf.d drop-in.
     """
+    machine = machine or os.uname().machine
     try:
         dfd = open_in_root(rootfs_fd, COMPAT_DIR, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
