@@ -141,14 +141,14 @@ def _metrics(node, run, objects):
                 if p.get("name") == "metrics")
     run.wait_for("metrics: serving", timeout=60)
     end, text = time.monotonic() + 30, ""
-    while "DCGM_FI_DEV_GPU_UTIL{" not in text:
+    while "DCGM_FI_DEV_FB_FREE{" not in text:
         assert run.running() and time.monotonic() < end, f"{text}\n{run.log()}"
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
                 text = answer.read().decode()
         except OSError:
             time.sleep(0.5)
-    series = [line for line in text.splitlines() if line.startswith("DCGM_FI_DEV_GPU_UTIL{")]
+    series = [line for line in text.splitlines() if line.startswith("DCGM_FI_DEV_FB_FREE{")]
     assert len(series) == GPUS, text
     assert all(f'Hostname="{node.name}"' in line for line in series), series
 
