@@ -389,3 +389,23 @@ def test_topology_report_in_indexes_and_malformed_entries_dropped():
     assert topo.link_count(1, 0) == 2 and topo.pcie_level(0, 7) == 50 and topo.pcie_level(3, 3) == 0
     assert sysfs_address("00000000:07:00.0") == "0000:07:00.0"
     assert sysfs_address("00010000:07:00.0") == "00010000:07:00.0"
+
+
+def test_the_dra_driver_reads_the_health_keys_as_the_device_plugin_does():
+    """One parser for the [device-plugin] table's health keys (health/settings.py), below both
+    plugins: same values, same one-line refusals; the keys only the device plugin reads are its own."""
+    from nvcontainer.health import settings as health
+
+    raw = {"health-checks": False, "ignore-xids": [79, 13, 13], "xid-recovery-seconds": 30,
+           "heartbeat-seconds": 1, "heartbeat-timeout-seconds": 9, "replicas": 4}
+    plugin, alone = parse(raw), health.parse(raw)
+    for key in health.KEYS.values():
+        assert getattr(plugin, key[0]) == getattr(alone, key[0])
+    assert alone.ignore_xids == (13, 79)
+    for bad, message in [({"ignore-xids": ["13"]}, "device-plugin.ignore-xids: expected an array"),
+                         ({"heartbeat-seconds": 3, "heartbeat-timeout-seconds": 5}, "more than twice"),
+                         ({"health-checks": "no"}, "device-plugin.health-checks: expected true or false")]:
+        for parser in (parse, health.parse):
+            with pytest.raises(NvcError) as exc:
+                parser(bad)
+            assert message in exc.value.detail

@@ -5,7 +5,8 @@ on every container start and must not pay for (or fail on) settings it never use
 plugin's settings change with the plugin. ``config.py`` only accepts the table and keeps it as
 raw TOML data; this module is as strict with it as ``config.py`` is with the rest: an unknown
 key or a value of the wrong type is an error naming the key (a misspelt ``mig-strategy`` must
-not silently advertise whole GPUs on a MIG node).
+not silently advertise whole GPUs on a MIG node). The five health keys and the value checkers
+are :mod:`nvcontainer.health.settings`'s, which the DRA driver reads the same keys with.
 
 Key (TOML)                          Default                            Meaning
 socket-dir                          "/var/lib/kubelet/device-plugins"  where kubelet.sock is and ours go
@@ -45,7 +46,10 @@ from __future__ import annotations
 import re
 
 from ..errors import NvcError, escape
+from ..health import settings as health
 from ..records import record, replace
+
+_bad, _bool, _number = health.bad, health.boolean, health.number
 
 MIG_STRATEGIES = ("none", "single", "mixed")
 ID_STRATEGIES = ("uuid", "index")
@@ -53,7 +57,7 @@ LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
 SHARING = ("time-slicing", "mps")
 DEFAULT_MPS_ROOT = "/run/nvidia/mps"
 MAX_REPLICAS = 64
-MAX_XIDS = 256
+MAX_XIDS = health.MAX_XIDS
 DEFAULT_SOCKET_DIR = "/var/lib/kubelet/device-plugins"
 
 _KIND = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}/[A-Za-z][A-Za-z0-9_.-]{0,62}")
@@ -91,8 +95,6 @@ class Settings:
         return check(replace(self, **_checked(raw, "command line")))
 
 
-def _bad(key: str, value: object, want: str) -> NvcError:
-    return NvcError("config", f"device-plugin.{key}: expected {want}, got {escape(repr(value), 80)}")
 
 
 def _choice(choices):
@@ -107,20 +109,6 @@ def _absolute(value, key):
     if not isinstance(value, str) or not value.startswith("/") or "\0" in value or len(value) > 200:
         raise _bad(key, value, "an absolute path (at most 200 characters)")
     return value.rstrip("/") or "/"
-
-
-def _bool(value, key):
-    if not isinstance(value, bool):
-        raise _bad(key, value, "true or false")
-    return value
-
-
-def _number(low: float, high: float):
-    def check(value, key):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise _bad(key, value, f"a number from {low} to {high}")
-        return value
-    return check
 
 
 def _replicas(value, key):
@@ -152,13 +140,6 @@ def _prefix(value, key):
     return value
 
 
-def _xids(value, key):
-    if (not isinstance(value, list) or len(value) > MAX_XIDS
-            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 32 for v in value)):
-        raise _bad(key, value, f"an array of at most {MAX_XIDS} XID numbers")
-    return tuple(sorted(set(value)))
-
-
 _KEYS = {
     "socket-dir": ("socket_dir", _absolute),
     "mig-strategy": ("mig_strategy", _choice(MIG_STRATEGIES)),
@@ -171,11 +152,7 @@ _KEYS = {
     "mps-root": ("mps_root", _absolute),
     "rename-shared": ("rename_shared", _bool),
     "fail-requests-greater-than-one": ("fail_requests_greater_than_one", _bool),
-    "health-checks": ("health_checks", _bool),
-    "ignore-xids": ("ignore_xids", _xids),
-    "xid-recovery-seconds": ("xid_recovery_seconds", _number(0, 86400)),
-    "heartbeat-seconds": ("heartbeat_seconds", _number(0.05, 60)),
-    "heartbeat-timeout-seconds": ("heartbeat_timeout_seconds", _number(0.2, 600)),
+    **health.KEYS,
     "sysfs": ("sysfs", _absolute),
 }
 
@@ -204,7 +181,5 @@ def parse(raw: dict | None, source: str = "config") -> Settings:
 
 def check(settings: Settings) -> Settings:
     """What no single key can say wrong: a beat that outlives its own timeout."""
-    if settings.heartbeat_timeout_seconds <= 2 * settings.heartbeat_seconds:
-        raise NvcError("config", "device-plugin.heartbeat-timeout-seconds must be more than twice "
-                                 "heartbeat-seconds")
+    health.check_beat(settings.heartbeat_seconds, settings.heartbeat_timeout_seconds)
     return settings

@@ -4,14 +4,13 @@ Why reuse and not a copy: what counts as unhealthy (critical XIDs but not the ap
 ``ignore-xids``, recovery after ``xid-recovery-seconds``, a lost GPU, a driver that stops
 answering) must not differ between the two ways a node offers its GPUs, and the watcher is the
 one process that holds NVML (a child program; this threaded process never loads it). So this is
-below both plugins (:mod:`nvcontainer.health`); the settings are the ``[device-plugin]``
-table's health keys, parsed by the device plugin's settings (the one import of ``deviceplugin/``
-from ``dra/``, its settings only, which the layers contract in pyproject.toml names).
+below both plugins (:mod:`nvcontainer.health`), and so are the settings: the ``[device-plugin]``
+table's health keys, read by :mod:`nvcontainer.health.settings` with the device plugin's checks.
 """
 
 from __future__ import annotations
 
-from ...deviceplugin import settings as plugin_settings
+from ...health import settings as health_settings
 from ...health.monitor import Monitor
 from ...inventory.identity import parse_user
 from ...inventory.model import nvml_path
@@ -22,7 +21,7 @@ def monitor(config, inv, publish, say, on_unmonitored=None):
     every change of verdict, or None (said why) when health checks are off or NVML is absent.
     ``on_unmonitored(why)``: the driver's NVML has no event API (every device kept, unwatched).
     Run it with ``asyncio.create_task(m.run())``; end it with ``await m.close(task)``."""
-    settings = plugin_settings.parse(config.device_plugin)
+    settings = health_settings.parse(config.device_plugin)
     if not settings.health_checks:
         say("health checks are off (device-plugin.health-checks = false): every device stays published")
         return None
