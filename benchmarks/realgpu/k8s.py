@@ -406,10 +406,40 @@ def dra_mps(node, template: Path, server, kubelet, dirs: dict, gpus: list[str], 
         out["clients"][label] = result
         sh([*node.runc, "delete", "-f", bundle.name], env=node.runc_env)
         shutil.rmtree(bundle, ignore_errors=True)
+    out["compat"] = dra_compat(node, template, spec_file, names[gpus[0]][0], inv)
     out["unprepare"] = kubelet.unprepare(ref)
     out["compute_mode_after"] = _compute_mode()
     node.say(f"MPS claim: clients listed {out['clients_during']['stdout'].split()}; compute mode "
              f"{out['compute_mode_before']!r} -> {out['compute_mode_during']!r} -> {out['compute_mode_after']!r}")
+    return out
+
+
+COMPAT_CHECK = ("LD_DEBUG=libs /cudatest 1 > /tmp/out 2>&1; echo \"rc=$?\"; "
+                "grep -o '[^ ]*libcuda[.]so[^ ]*' /tmp/out | sort -u | tr '\\n' ' '; echo; grep -v '^ *[0-9]*:' /tmp/out")
+
+
+def dra_compat(node, template: Path, spec_file: str, cdi_name: str, inv) -> dict:
+    """CUDA forward compatibility through the claim's spec: an image whose
+    ``/usr/local/cuda/compat`` holds a ``libcuda.so.999.0.0`` (the node's own libcuda, renamed, so
+    it works with this driver) gets it first from the spec's update-ldcache hook
+    (``--host-driver-version``): the CUDA program's loader names the compat path, and it runs."""
+    host = next((lib.path for lib in inv.libraries if os.path.basename(lib.path).startswith("libcuda.so.")), None)
+    if host is None or not getattr(node, "has_cuda", False):
+        node.say("compat: no libcuda or no CUDA program: left out")
+        return {"skipped": True}
+    bundle = node.bundle(template, [], [], ["/bin/sh", "-c", COMPAT_CHECK])
+    compat = bundle / "rootfs" / "usr" / "local" / "cuda" / "compat"
+    compat.mkdir(parents=True)
+    shutil.copy(host, compat / "libcuda.so.999.0.0")
+    spec = json.loads((bundle / "config.json").read_text())
+    (bundle / "config.json").write_text(json.dumps(with_cdi_device(spec, spec_file, cdi_name)))
+    result = node.run_bundle(bundle)
+    node.block("claim container with a compat libcuda 999", result)
+    lines = result["stdout"].splitlines()
+    out = {"result": result, "loaded": lines[1].split() if len(lines) > 1 else [],
+           "ran": bool(lines) and lines[0] == "rc=0"}
+    out["used"] = out["ran"] and any(p.startswith("/usr/local/cuda/compat/") for p in out["loaded"])
+    node.say(f"-> compat: loader found {out['loaded']}; CUDA program ran: {out['ran']}; compat used: {out['used']}")
     return out
 
 
