@@ -55,9 +55,9 @@ class PreparedDevice:
     admin: bool = False                       # allocated with adminAccess
 
     def to_json(self) -> dict:
-        out = {"request": self.request, "pool": self.pool, "device": self.device, "uuid": self.uuid,
-               "cdi": list(self.cdi), "sharing": {**self.sharing.to_dict(), "group": self.group},
-               "shareID": self.share_id}
+        out: dict = {"request": self.request, "pool": self.pool, "device": self.device, "uuid": self.uuid,
+                     "cdi": list(self.cdi), "sharing": {**self.sharing.to_dict(), "group": self.group},
+                     "shareID": self.share_id}
         if self.admin:
             out["adminAccess"] = True
         return out
