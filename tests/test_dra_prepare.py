@@ -94,7 +94,7 @@ def test_one_gpu_claim_gets_a_spec_of_its_own(inv, dirs):
     source = Claims()
     p = preparer(inv, dirs, source)
     devices = asyncio.run(p.prepare(*source.put(UID1, ["gpu-1"])))
-    assert [d["cdi"] for d in devices] == [[f"k8s.gpu.nvidia.com/claim={UID1}-gpu-1"]]
+    assert [d.cdi for d in devices] == [(f"k8s.gpu.nvidia.com/claim={UID1}-gpu-1",)]
     spec = spec_of(dirs, UID1)
     assert spec["kind"] == "k8s.gpu.nvidia.com/claim"
     assert [d["name"] for d in spec["devices"]] == [f"{UID1}-gpu-1"]
@@ -115,7 +115,7 @@ def test_prepare_is_idempotent_and_survives_a_restart(inv, dirs):
     source = Claims()
     claim = source.put(UID1, ["gpu-0", "gpu-1"])
     first = asyncio.run(preparer(inv, dirs, source).prepare(*claim))
-    assert [d["device"] for d in first] == ["gpu-0", "gpu-1"]
+    assert [d.device for d in first] == ["gpu-0", "gpu-1"]
     again = preparer(inv, dirs, source)                           # a restarted plugin
     assert asyncio.run(again.prepare(*claim)) == first
     assert source.calls == 1                                      # answered from the checkpoint
@@ -211,7 +211,7 @@ def test_a_mig_claim(fake_machine_factory, dirs):
     source = Claims()
     name, (gpu, mig) = next((n, u) for n, u in table_of(mig_inv).items() if u[1] is not None)
     devices = asyncio.run(preparer(mig_inv, dirs, source).prepare(*source.put(UID1, [name])))
-    assert devices[0]["uuid"] == mig.uuid
+    assert devices[0].uuid == mig.uuid
     nodes = [n["path"] for n in spec_of(dirs, UID1)["devices"][0]["containerEdits"]["deviceNodes"]]
     assert f"/dev/nvidia{gpu.minor}" in nodes and mig.gi_cap.path in nodes and mig.ci_cap.path in nodes
 
@@ -381,13 +381,13 @@ def test_a_gpu_prepared_for_one_claim_is_refused_to_a_second(inv, dirs):
         asyncio.run(p.prepare(*second))
     assert os.listdir(dirs[0]) == [claimspec.file_name(UID1)]            # nothing written for it
     # admin access (monitoring) may share it
-    assert asyncio.run(p.prepare(*put_admin(source, UID3, ["gpu-0"], "watch")))[0]["adminAccess"] is True
+    assert asyncio.run(p.prepare(*put_admin(source, UID3, ["gpu-0"], "watch")))[0].admin is True
     # after a plugin restart the checkpoint still holds it
     again = preparer(inv, dirs, source)
     with pytest.raises(NvcError, match="is prepared for claim ns/first"):
         asyncio.run(again.prepare(*second))
     asyncio.run(again.unprepare(*first))
-    assert [d["device"] for d in asyncio.run(again.prepare(*second))] == ["gpu-1", "gpu-0"]
+    assert [d.device for d in asyncio.run(again.prepare(*second))] == ["gpu-1", "gpu-0"]
 
 
 def test_a_mig_device_and_its_gpu_overlap(fake_machine_factory, dirs):
@@ -426,7 +426,7 @@ def test_a_prepare_racing_the_unprepare_of_the_same_gpu_is_refused_until_it_ends
         await unprepare
         return await p.prepare(*second)
 
-    assert [d["device"] for d in asyncio.run(race())] == ["gpu-0"]
+    assert [d.device for d in asyncio.run(race())] == ["gpu-0"]
 
 
 def test_a_daemon_directory_planted_as_a_link_to_another_daemon_s_is_never_followed(machine, inv, tmp_path,

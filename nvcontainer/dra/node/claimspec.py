@@ -81,6 +81,8 @@ def build(inv, claim, opts: generate.Options) -> Spec:
 
 
 def render(spec: Spec, entry: dict, driver_version: str) -> str:
+    """The spec's YAML, with ``entry`` (the claim's record, ``PreparedClaim.to_json()``) as its
+    comment."""
     comments = ["Written by nvcontainer dra-driver for one prepared ResourceClaim; removed when the kubelet "
                 "unprepares it.", f"{generate.DRIVER_COMMENT} {driver_version}",
                 f"{RECORD} {json.dumps(entry, sort_keys=True, separators=(',', ':'))}"]
@@ -88,7 +90,8 @@ def render(spec: Spec, entry: dict, driver_version: str) -> str:
 
 
 def record_of(text: str) -> dict | None:
-    """The claim's record from a spec's text, or None when it has none (or a damaged one)."""
+    """The claim's record from a spec's text (its JSON, for ``PreparedClaim.from_json``), or None
+    when it has none (or a damaged one)."""
     for line in text.splitlines()[:8]:
         line = line.lstrip("# ").rstrip()
         if line.startswith(RECORD):

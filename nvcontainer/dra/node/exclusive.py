@@ -12,6 +12,7 @@ allocated with ``adminAccess`` (monitoring) may share a held device, and is held
 from __future__ import annotations
 
 from ...errors import escape
+from .prepared import PreparedClaim, PreparedDevice
 
 
 def footprint(uuid: str, parents: dict[str, str]) -> tuple[str, str | None]:
@@ -23,20 +24,21 @@ def overlaps(a: tuple[str, str | None], b: tuple[str, str | None]) -> bool:
     return a[0] == b[0] and (a[1] is None or b[1] is None or a[1] == b[1])
 
 
-def conflict(wanted: list[dict], held: dict[str, dict], parents: dict[str, str], uid: str) -> str | None:
+def conflict(wanted: tuple[PreparedDevice, ...], held: dict[str, PreparedClaim], parents: dict[str, str],
+             uid: str) -> str | None:
     """Why the devices ``wanted`` (device records) cannot be prepared for claim ``uid`` while
     ``held`` (UID → claim entry: prepared, being prepared or being unprepared) holds theirs; None
     when they can."""
     for device in wanted:
-        if device.get("adminAccess"):
+        if device.admin:
             continue
-        mine = footprint(device["uuid"], parents)
+        mine = footprint(device.uuid, parents)
         for other_uid, entry in held.items():
             if other_uid == uid:
                 continue
-            for other in entry["devices"]:
-                if not other.get("adminAccess") and overlaps(mine, footprint(other["uuid"], parents)):
-                    return (f"device {escape(device['device'], 80)} ({device['uuid']}) is prepared for claim "
-                            f"{escape(entry['namespace'], 80)}/{escape(entry['name'], 120)} "
-                            f"({other['device']}); a device serves one claim at a time (unless adminAccess)")
+            for other in entry.devices:
+                if not other.admin and overlaps(mine, footprint(other.uuid, parents)):
+                    return (f"device {escape(device.device, 80)} ({device.uuid}) is prepared for claim "
+                            f"{escape(entry.namespace, 80)}/{escape(entry.name, 120)} "
+                            f"({other.device}); a device serves one claim at a time (unless adminAccess)")
     return None

@@ -33,6 +33,7 @@ from ...errors import NvcError, escape
 from ...mps import control as mpscontrol
 from ...records import record, replace
 from .. import opaque
+from .prepared import PreparedDevice
 
 DIRECTORY = "mps"
 CONTAINER_PIPE = "/tmp/nvidia-mps"
@@ -67,31 +68,30 @@ def _slug(group: str) -> str:
     return group.replace("[", "-").replace("]", "") if group else "claim"
 
 
-def plans(state_dir: str, uid: str, devices: list[dict], label: str) -> list[Plan]:
+def plans(state_dir: str, uid: str, devices: tuple[PreparedDevice, ...], label: str) -> list[Plan]:
     """One daemon per configuration group whose devices (the claim's record's ``devices``) ask
     MPS; [] when none asks it."""
-    groups: dict[str, list[dict]] = {}
+    groups: dict[str, list[PreparedDevice]] = {}
     for d in devices:
-        if (d.get("sharing") or {}).get("strategy") == "MPS":
-            groups.setdefault(d["sharing"].get("group", ""), []).append(d)
+        if d.sharing.strategy == "MPS":
+            groups.setdefault(d.group, []).append(d)
     return [_plan(state_dir, uid, group, members) for group, members in groups.items()]
 
 
-def _plan(state_dir: str, uid: str, group: str, members: list[dict]) -> Plan:
-    sharing = members[0]["sharing"]            # one configuration: the same settings on each
-    order = [d["uuid"] for d in members]
-    uuids = tuple(dict.fromkeys(order))
+def _plan(state_dir: str, uid: str, group: str, members: list[PreparedDevice]) -> Plan:
+    sharing = members[0].sharing               # one configuration: the same settings on each
+    uuids = tuple(dict.fromkeys(d.uuid for d in members))
     limits: dict[int, int] = {}
-    if sharing.get("pinnedLimit") is not None:
-        limits.update({i: sharing["pinnedLimit"] for i in range(len(uuids))})
-    for key, amount in sharing.get("perDeviceLimits") or ():
+    if sharing.pinned_limit is not None:
+        limits.update({i: sharing.pinned_limit for i in range(len(uuids))})
+    for key, amount in sharing.per_device_limits:
         index = opaque.device_index(key)
         if key in uuids:
             limits[uuids.index(key)] = amount
         elif index is not None and index < len(uuids):
             limits[index] = amount
-    return Plan(state_dir, uid, group, tuple(dict.fromkeys(d["device"] for d in members)), uuids,
-                sharing.get("activeThreads"), tuple((i, amount >> 20) for i, amount in sorted(limits.items())))
+    return Plan(state_dir, uid, group, tuple(dict.fromkeys(d.device for d in members)), uuids,
+                sharing.active_threads, tuple((i, amount >> 20) for i, amount in sorted(limits.items())))
 
 
 def commands(p: Plan) -> tuple[str, ...]:

@@ -42,6 +42,7 @@ from ... import log
 from ...errors import NvcError, escape
 from ...mps import control as mpscontrol
 from . import checkpoint, claims, claimspec, exclusive, mpsclaim, sharing
+from .prepared import PreparedClaim, PreparedDevice
 
 KUBELET_TIMEOUT = 45.0      # the kubelet's default for a DRA call
 MARGIN = 2.0                # answered this long before the caller's deadline
@@ -69,7 +70,7 @@ class Preparer:
         self.run = run or sharing.run            # one nvidia-smi call (the tests record them)
         self.mps_deadline = MPS_DEADLINE
         self.locks: dict[str, tuple[asyncio.Lock, int]] = {}
-        self.busy: dict[str, dict] = {}          # UID → entry of a prepare in progress (its devices held)
+        self.busy: dict[str, PreparedClaim] = {}     # UID → entry of a prepare in progress (its devices held)
         self.saving = asyncio.Lock()
         os.makedirs(state_dir, mode=0o700, exist_ok=True)
         self.claims = checkpoint.load(state_dir, cdi_root, say)
@@ -96,16 +97,17 @@ class Preparer:
             else:
                 self.locks[uid] = (lock, users - 1)
 
-    async def prepare(self, namespace: str, name: str, uid: str, deadline: float | None = None) -> list[dict]:
+    async def prepare(self, namespace: str, name: str, uid: str,
+                      deadline: float | None = None) -> tuple[PreparedDevice, ...]:
         """The claim's device records (with their CDI names); NvcError naming the claim."""
         claimspec.check_uid(uid)
         deadline = deadline or time.monotonic() + KUBELET_TIMEOUT
         async with self._lock(uid):
             entry = self.claims.get(uid)
             path = os.path.join(self.cdi_root, claimspec.file_name(uid))
-            if entry is not None and (not entry["devices"] or os.path.exists(path)):
+            if entry is not None and (not entry.devices or os.path.exists(path)):
                 await asyncio.to_thread(self._mps_start, entry)       # each kept when it answers
-                return entry["devices"]     # prepared before (a claim of no device here has no spec)
+                return entry.devices        # prepared before (a claim of no device here has no spec)
             label = f"{escape(namespace, 80)}/{escape(name, 120)}"
             try:
                 obj = await asyncio.wait_for(
@@ -118,9 +120,9 @@ class Preparer:
                     raise NvcError("input", f"claim {label}: deleted (not found in the API server)") from None
                 raise
             resolved = claims.resolve(obj, namespace, name, uid, self.node, self.table, unhealthy=self.unhealthy())
-            entry = record(resolved)
+            entry = PreparedClaim.of(resolved)
             # checked and taken with no await in between: the event loop runs one prepare at a time here
-            why = exclusive.conflict(entry["devices"], {**self.claims, **self.busy}, self._parents(), uid)
+            why = exclusive.conflict(entry.devices, {**self.claims, **self.busy}, self._parents(), uid)
             if why:
                 raise NvcError("input", f"claim {label}: {why}")
             self.busy[uid] = entry
@@ -131,12 +133,12 @@ class Preparer:
                     await asyncio.to_thread(checkpoint.save, self.state_dir, dict(self.claims))
             finally:
                 del self.busy[uid]
-            return entry["devices"]
+            return entry.devices
 
     def _parents(self) -> dict[str, str]:
         return {m.uuid: g.uuid for g in self.inv.gpus for m in g.migs}
 
-    def _write(self, claim: claims.Claim, entry: dict) -> None:
+    def _write(self, claim: claims.Claim, entry: PreparedClaim) -> None:
         daemons = self._mps_start(entry)
         try:
             self._time_slices(sharing.wanted(claim.units), claim.label)
@@ -144,18 +146,18 @@ class Preparer:
                 spec = claimspec.build(self.inv, claim, self.opts)
                 if daemons:
                     spec = mpsclaim.reaching(spec, claim.uid, daemons)
-                text = claimspec.render(spec, entry, self.inv.driver_version)
-                store.write_atomic(os.path.join(self.cdi_root, entry["spec"]), text)
+                text = claimspec.render(spec, entry.to_json(), self.inv.driver_version)
+                store.write_atomic(os.path.join(self.cdi_root, entry.spec), text)
         except BaseException:
             if daemons:
                 self._mps_stop(entry)
             raise
 
-    def _mps_start(self, entry: dict) -> list:
+    def _mps_start(self, entry: PreparedClaim) -> list:
         """The claim's MPS daemons running, one per configuration group that asks MPS (each kept
         when it answers); [] when none asks it."""
-        label = f"{entry['namespace']}/{entry['name']}"
-        daemons = mpsclaim.plans(self.state_dir, entry["uid"], entry["devices"], label)
+        label = entry.label
+        daemons = mpsclaim.plans(self.state_dir, entry.uid, entry.devices, label)
         if not daemons:
             return []
         try:
@@ -191,13 +193,13 @@ class Preparer:
                 if uid in self.claims:
                     await asyncio.to_thread(self._check_daemons, uid, self.claims[uid])
 
-    def _check_daemons(self, uid: str, entry: dict) -> None:
+    def _check_daemons(self, uid: str, entry: PreparedClaim) -> None:
         try:
             binary = mpscontrol.control_binary(self.inv)
         except NvcError:
             return                     # no MPS here at all: no claim of ours has a daemon
-        label = f"{entry['namespace']}/{entry['name']}"
-        for plan in mpsclaim.plans(self.state_dir, uid, entry["devices"], label):
+        label = entry.label
+        for plan in mpsclaim.plans(self.state_dir, uid, entry.devices, label):
             daemon = mpsclaim.control(plan.directory, plan.uuids, binary, self.mps_deadline, label)
             if daemon.answers():
                 try:
@@ -215,24 +217,23 @@ class Preparer:
             raise NvcError("device", f"claim {escape(label, 200)}: {exc.detail}") from None
         log.info(f"nvidia-smi {' '.join(argv[1:])} for claim {label}")
 
-    def _reset_modes(self, entry: dict) -> None:
+    def _reset_modes(self, entry: PreparedClaim) -> None:
         """The claim's MPS GPUs back to the DEFAULT compute mode; a failure is said, not raised."""
-        gpus = _whole_gpus(entry, [d["device"] for d in entry.get("devices", ())
-                                   if (d.get("sharing") or {}).get("strategy") == "MPS"])
+        gpus = _whole_gpus(entry, [d.device for d in entry.devices if d.sharing.strategy == "MPS"])
         for uuid in gpus:
             try:
                 self.run(sharing.mode_argv(sharing.smi_path(self.inv, "to reset the compute mode"), uuid, "DEFAULT"))
             except NvcError as exc:
                 self.say(f"compute mode of {uuid} not reset: {exc.detail}")
 
-    def _mps_stop(self, entry: dict) -> None:
+    def _mps_stop(self, entry: PreparedClaim) -> None:
         """The claim's daemon told to quit and its directory removed; a failure is said."""
         try:
             binary = mpscontrol.control_binary(self.inv)
         except NvcError:
             binary = None
-        label = f"{entry['namespace']}/{entry['name']}"
-        why = mpsclaim.stop(self.state_dir, entry["uid"], binary, self.mps_deadline, label)
+        label = entry.label
+        why = mpsclaim.stop(self.state_dir, entry.uid, binary, self.mps_deadline, label)
         if why:
             self.say(f"MPS daemon of claim {escape(label, 200)}: {why}; its directory is removed")
         self._reset_modes(entry)
@@ -250,14 +251,13 @@ class Preparer:
             self.run(sharing.timeslice_argv(smi, uuid, interval))
             log.info(f"time-slice of {uuid} set to {interval} for claim {label}")
 
-    def _reset_time_slices(self, entry: dict) -> None:
+    def _reset_time_slices(self, entry: PreparedClaim) -> None:
         """Back to the default for the GPUs the claim set, unless another prepared claim set
         them too; a failure is said, not raised (an unprepare that fails is retried for ever)."""
-        def mine(e):
-            return {d["uuid"] for d in e["devices"] if (d["sharing"] or {}).get("strategy") == "TimeSlicing"
-                    and (d["sharing"] or {}).get("kind") == "gpu"}
+        def mine(e: PreparedClaim) -> set[str]:
+            return {d.uuid for d in e.devices if d.sharing.strategy == "TimeSlicing" and d.sharing.kind == "gpu"}
 
-        others = set().union(*(mine(e) for u, e in self.claims.items() if u != entry["uid"]))
+        others = set().union(*(mine(e) for u, e in self.claims.items() if u != entry.uid))
         for uuid in sorted(mine(entry) - others):
             try:
                 self.run(sharing.timeslice_argv(sharing.smi_path(self.inv, "to reset the time-slice"), uuid, "Default"))
@@ -276,7 +276,7 @@ class Preparer:
                 pass
             except OSError as exc:
                 raise NvcError("cdi", f"cannot remove {escape(path)}: {exc.strerror.lower()}") from None
-            known = self.claims.get(uid) or {"namespace": namespace, "name": name, "uid": uid}
+            known = self.claims.get(uid) or PreparedClaim.nothing(namespace, name, uid)
             await asyncio.to_thread(self._mps_stop, known)
             if uid in self.claims:
                 await asyncio.to_thread(self._reset_time_slices, self.claims[uid])
@@ -285,23 +285,8 @@ class Preparer:
                     await asyncio.to_thread(checkpoint.save, self.state_dir, dict(self.claims))
 
 
-def record(claim: claims.Claim) -> dict:
-    """The checkpoint's entry of a resolved claim (what its spec's comment also carries)."""
-    devices = []
-    for u in claim.units:
-        device = {"request": u.request, "pool": claim.pool, "device": u.device, "uuid": u.uuid,
-                  "cdi": [claimspec.cdi_name(claim.uid, u.device)], "sharing": {**u.sharing.to_dict(), "group": u.group},
-                  "shareID": u.share_id}
-        if u.admin:
-            device["adminAccess"] = True
-        devices.append(device)
-    return {"namespace": claim.namespace, "name": claim.name, "uid": claim.uid, "devices": devices,
-            "spec": claimspec.file_name(claim.uid)}
-
-
-def _whole_gpus(entry: dict, devices) -> list[str]:
+def _whole_gpus(entry: PreparedClaim, devices) -> list[str]:
     """The UUIDs of the whole GPUs among the entry's ``devices`` (DRA names): a compute mode is a
     GPU's (a MIG device has none of its own)."""
     wanted = set(devices)
-    return list(dict.fromkeys(d["uuid"] for d in entry.get("devices", ()) if d["device"] in wanted
-                              and (d.get("sharing") or {}).get("kind", "gpu") == "gpu"))
+    return list(dict.fromkeys(d.uuid for d in entry.devices if d.device in wanted and d.sharing.kind == "gpu"))

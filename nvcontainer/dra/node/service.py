@@ -101,12 +101,12 @@ class DraService:
                 entry.error = error
                 continue
             for d in devices:
-                device = entry.devices.add(request_names=[d["request"]], pool_name=d["pool"],
-                                           device_name=d["device"], cdi_device_ids=d["cdi"])
-                if d["shareID"] and "share_id" in device.DESCRIPTOR.fields_by_name:
-                    device.share_id = d["shareID"]
+                device = entry.devices.add(request_names=[d.request], pool_name=d.pool,
+                                           device_name=d.device, cdi_device_ids=list(d.cdi))
+                if d.share_id and "share_id" in device.DESCRIPTOR.fields_by_name:
+                    device.share_id = d.share_id
             log.info(f"prepared {claim.namespace}/{claim.name} ({claim.uid}): "
-                     f"{', '.join(d['device'] for d in devices) or 'no device of this node'}")
+                     f"{', '.join(d.device for d in devices) or 'no device of this node'}")
         return out
 
     async def unprepare(self, request, context):
