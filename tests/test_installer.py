@@ -339,10 +339,11 @@ def test_a_host_glibc_older_than_the_trees_is_one_line(source, tmp_path):
     assert tree.tree_needs(str(dynamic)) is None
 
 
-def fake_engine(sock: Path, *, supervised: bool) -> subprocess.Popen:
+def fake_engine(sock: Path, *, supervised: bool, pidfile: Path | None = None) -> subprocess.Popen:
     """A process answering on ``sock`` that SIGHUP ends, as it ends containerd; ``supervised``:
-    started again by a loop, as systemd's Restart= would."""
-    serve = (f"import socket,os;s=socket.socket(socket.AF_UNIX);"
+    started again by a loop, as systemd's Restart= would; ``pidfile``: where each start writes its pid."""
+    note = f"open('{pidfile}','w').write(str(os.getpid()));" if pidfile else ""
+    serve = (f"import socket,os;{note}s=socket.socket(socket.AF_UNIX);"
              f"os.path.exists('{sock}') and os.unlink('{sock}');s.bind('{sock}');s.listen(8)\n"
              "while True: s.accept()[0].close()")
     loop = f'while true; do {sys.executable} -c "{serve}"; sleep 0.2; done' if supervised else \
@@ -374,6 +375,46 @@ def test_restart_by_signal_waits_for_the_engine_or_puts_its_files_back(source, t
         assert containerd_setup.DROPIN in main.read_text()
     else:
         assert_untouched(res, host, named, {main: MAIN.encode()}, "did not answer on /run/containerd/containerd.sock")
+
+
+SYSTEMCTL = """#!/bin/sh
+echo "$*" >> /systemctl.log
+{action}
+"""
+
+
+@pytest.mark.parametrize("works", [True, False])
+def test_restart_by_systemd_runs_the_host_s_systemctl_in_its_root(source, tmp_path, works):
+    """RUNTIME_RESTART_MODE=systemd: ``systemctl restart containerd`` run in the host's root
+    (chroot: the host's own systemctl, never one of the image), then the wait for a new engine
+    process. Here the host root is a busybox with a systemctl that restarts the supervised fake
+    engine as systemd would; one that fails puts the files back, in one line."""
+    host, named = scratch(tmp_path)
+    main = host / "etc/containerd/config.toml"
+    main.parent.mkdir(parents=True)
+    main.write_text(MAIN)
+    (host / "run/containerd").mkdir()
+    for d in ("bin", "usr/bin"):
+        (host / d).mkdir(parents=True, exist_ok=True)
+    shutil.copy("/bin/busybox", host / "bin/busybox")
+    for applet in ("sh", "cat", "kill"):
+        os.symlink("busybox", host / "bin" / applet)
+    action = "kill -HUP $(cat /engine.pid)" if works else \
+        "echo 'Failed to restart containerd.service: Unit containerd.service not found.' >&2; exit 5"
+    script(host / "usr/bin/systemctl", SYSTEMCTL.format(action=action))
+    engine_ = fake_engine(host / "run/containerd/containerd.sock", supervised=True, pidfile=host / "engine.pid")
+    try:
+        res = once(env(host, named, source, RUNTIME_RESTART_MODE="systemd", RUNTIME_RESTART_TIMEOUT="5"))
+    finally:
+        os.killpg(engine_.pid, signal.SIGKILL)
+        engine_.wait()
+    assert (host / "systemctl.log").read_text().splitlines()[0] == "restart containerd"
+    if works:
+        assert res.returncode == 0 and "containerd restarted (systemd): answering on /run/containerd/containerd.sock" \
+            in res.stderr, res.stderr
+        assert containerd_setup.DROPIN in main.read_text()
+    else:
+        assert_untouched(res, host, named, {main: MAIN.encode()}, "Unit containerd.service not found")
 
 
 def test_killed_mid_install_leaves_nothing_half_written_and_the_next_run_completes(source, tmp_path):

@@ -48,3 +48,32 @@ def test_the_installer_pod_installs_registers_and_puts_the_node_back(harness_nod
     assert not node.host(containerd_setup.DROPIN).exists()
     assert not os.path.lexists(node.host("/usr/local/nvcontainer/current"))
     assert not node.host("/run/nvcontainer/validations/toolkit-ready").exists()
+
+
+def test_a_bad_setting_is_one_line_in_the_log_and_the_pod_s_termination_message(harness_node_factory):
+    """The installer's pod with a setting it refuses (the manifest's env, one value changed):
+    it ends non-zero at once, and its one line is in the log and in the file the kubelet reads
+    for the pod's status (terminationMessagePath); the node's files are not touched."""
+    import copy
+
+    from tests.fixtures.nodeharness import manifests
+
+    node = harness_node_factory(FakeSpec(gpus=2))
+    objects = manifests.render("base")
+    ds = copy.deepcopy(manifests.daemonsets(objects)["nvcontainer-installer"])
+    (installer,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "installer"]
+    installer["env"] = [e for e in installer.get("env", []) if e["name"] != "RUNTIME_RESTART_MODE"]
+    installer["env"].append({"name": "RUNTIME_RESTART_MODE", "value": "kill"})
+    main = node.host("/etc/containerd/config.toml")
+    main.parent.mkdir(parents=True, exist_ok=True)
+    main.write_text(MAIN)
+    run = node.run_pod(ds, objects)
+    try:
+        codes = run.wait(120)
+    finally:
+        run.stop()
+    message = run.termination("installer")
+    assert codes["installer"] != 0 and message.count("\n") == 1 and "RUNTIME_RESTART_MODE=" in message, message
+    assert message.strip() in run.log("installer") and "Traceback" not in run.log("installer")
+    assert main.read_text() == MAIN and not node.host(containerd_setup.DROPIN).exists()
+    assert not os.path.lexists(node.host("/usr/local/nvcontainer/current"))

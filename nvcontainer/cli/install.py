@@ -52,6 +52,7 @@ def _flag(name: str, help_: str):
 def install(wait_ready: bool, **options) -> None:
     """Install the node stack from this image onto the host, register it with the engine, keep
     the CDI spec fresh, and put the node back when stopped."""
+    from ..errors import NvcError
     from ..installer import run, settings
 
     if wait_ready:
@@ -59,5 +60,9 @@ def install(wait_ready: bool, **options) -> None:
 
     # a switch not given is None (the environment decides), not False
     given = {k: (None if v is False and k in ONLY_ON else v) for k, v in options.items()}
-    s = settings.settings(dict(os.environ), given)
+    try:
+        s = settings.settings(dict(os.environ), given)
+    except NvcError as exc:   # one line in the log and in the pod's status (its termination message)
+        run.fail_line(exc.detail)
+        sys.exit(2)
     sys.exit(run.run(s))
