@@ -208,8 +208,10 @@ time.sleep(60)
 """
 
 
-def run_monitor(script, seconds, *, settings=None, monkeypatch=None):
-    """Run a Monitor whose watcher follows ``script`` for ``seconds``; what it published and said."""
+def run_monitor(script, seconds, *, settings=None, monkeypatch=None, until=None):
+    """Run a Monitor whose watcher follows ``script`` for ``seconds``; what it published and said.
+    ``until(mon)``: stop as soon as it holds (``seconds`` is then only the bound), so that a
+    test of a sequence does not depend on how fast a loaded machine starts the watcher."""
     settings = settings or Settings(heartbeat_seconds=0.1, heartbeat_timeout_seconds=0.5)
     published, said = [], []
     mon = Monitor(PLAIN8, "/nonexistent", settings, None, published.append, lambda t: published.append(t),
@@ -217,7 +219,12 @@ def run_monitor(script, seconds, *, settings=None, monkeypatch=None):
 
     async def main():
         task = asyncio.create_task(mon.run())
-        await asyncio.sleep(seconds)
+        if until is None:
+            await asyncio.sleep(seconds)
+        else:
+            end = time.monotonic() + seconds
+            while not until(mon) and time.monotonic() < end:
+                await asyncio.sleep(0.01)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
@@ -256,7 +263,7 @@ def test_a_watcher_that_never_starts_is_said_once(quick_backoff):
     ('{"ev":"error","why":"Driver Not Loaded\\n"}', "NVML failed: Driver Not Loaded\\n"),
 ])
 def test_monitor_survives_nonsense(quick_backoff, line, why):
-    mon, published, said = run_monitor(['{"ev":"beat","lost":[]}', line, "EXIT"], 0.8)
+    mon, published, said = run_monitor(['{"ev":"beat","lost":[]}', line, "EXIT"], 20, until=lambda m: m.starts >= 2)
     assert said[0] == f"health watcher: {why}; every device unhealthy until it answers (retrying, at most every 30 s)"
     assert mon.starts >= 2 and len(published[-1]) == 8
 

@@ -424,7 +424,7 @@ def dra_compat(node, template: Path, spec_file: str, cdi_name: str, inv) -> dict
     it works with this driver) gets it first from the spec's update-ldcache hook
     (``--host-driver-version``): the CUDA program's loader names the compat path, and it runs."""
     host = next((lib.path for lib in inv.libraries if os.path.basename(lib.path).startswith("libcuda.so.")), None)
-    if host is None or not getattr(node, "has_cuda", False):
+    if host is None or not getattr(node, "has_cuda", False):   # the fake machine's node has no CUDA program
         node.say("compat: no libcuda or no CUDA program: left out")
         return {"skipped": True}
     bundle = node.bundle(template, [], [], ["/bin/sh", "-c", COMPAT_CHECK])
@@ -436,7 +436,7 @@ def dra_compat(node, template: Path, spec_file: str, cdi_name: str, inv) -> dict
     result = node.run_bundle(bundle)
     node.block("claim container with a compat libcuda 999", result)
     lines = result["stdout"].splitlines()
-    out = {"result": result, "loaded": lines[1].split() if len(lines) > 1 else [],
+    out = {"result": result, "loaded": [w for w in (lines[1].split() if len(lines) > 1 else []) if w.startswith("/")],
            "ran": bool(lines) and lines[0] == "rc=0"}
     out["used"] = out["ran"] and any(p.startswith("/usr/local/cuda/compat/") for p in out["loaded"])
     node.say(f"-> compat: loader found {out['loaded']}; CUDA program ran: {out['ran']}; compat used: {out['used']}")
