@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 
 from ..documents import json_value
 from ..errors import NvcError
+from ..inventory import nvml
 
 MAX_REQUEST = 1 << 20
 MAX_GPUS = 256
@@ -72,29 +72,13 @@ def _fail(why: str) -> int:
     return 1
 
 
-def _drop(user, parent: int) -> None:
-    """Become ``user``, then die with the plugin. In that order: the kernel clears the
-    parent-death signal whenever the effective user or group changes, so set before the drop it
-    was gone, and a watcher stuck in a hung driver (no line to write, so no EPIPE either)
-    outlived a plugin killed with SIGKILL, holding NVML open."""
-    import prctl
-
-    if user is not None and os.geteuid() == 0:
-        uid, gid = int(user[0]), int(user[1])
-        os.setgroups([])
-        os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
-    prctl.set_pdeathsig(signal.SIGKILL)
-    if os.getppid() != parent:        # the plugin died before the signal was armed
-        sys.exit(1)
-
-
 def _watch(library: str, uuids: list[str], user, interval: float, parent: int) -> int:
     import ctypes
 
     import pynvml as nv   # imported before dropping privileges: the interpreter's files may be root's
 
-    _drop(user, parent)
+    # the one way NVML's process gives up its privileges, then dies with the plugin
+    nvml.become(None if user is None else (int(user[0]), int(user[1])), parent)
     ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)   # pynvml's own CDLL then finds this object
     nv.nvmlInit()
     handles = {}
