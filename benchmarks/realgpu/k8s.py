@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -30,7 +29,7 @@ import time
 import types
 from pathlib import Path
 
-from .shell import GPU_ENV, collect, end_container, sh
+from .shell import GPU_ENV, collect, end_container, first_line, gpu_program, sh
 
 MPS_TABLE = {"sharing": "mps", "replicas": 2}
 NODE_NAME = "realgpu-node"
@@ -447,20 +446,13 @@ def ps(node, template: Path) -> None:
     """A container holding GPU memory, as ``nvcontainer ps --json`` shows it under GPU 0."""
 
     node.say("\n== nvcontainer ps: a running container on GPU 0")
-    runc = [node.runc[0]]          # runc's default root, /run/runc, which ps reads
-    bundle = node.bundle(template, [node.entries()["hook"]], GPU_ENV, ["/cudatest", "60"])
-    name = bundle.name
-    node.undo.append(lambda: (sh([*runc, "delete", "-f", name], env=node.runc_env),
-                              shutil.rmtree(bundle, ignore_errors=True)))
-    out: dict = {"container": name}
     config = node.work / "ps.toml"
     config.write_text(node.extra_config)          # the defaults, on a real node
     nvc = [str(node.ours), "--config", str(config)]
-    proc = subprocess.Popen([*runc, "run", *node.no_pivot, "--bundle", str(bundle), name], env=node.runc_env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    runc, name, proc = gpu_program(node, template, 60)
+    out: dict = {"container": name}
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], WAIT)
-        out["program"] = proc.stdout.readline().decode(errors="replace").strip() if ready else "no output"
+        out["program"] = first_line(proc, WAIT)
         node.say(f"in the container: {out['program']}")
         result = sh([*nvc, "ps", "--json"], timeout=60)
         node.block("nvcontainer ps --json", result)

@@ -14,14 +14,12 @@ The helpers at the top are pure and tested on made-up bodies (tests/test_realgpu
 
 from __future__ import annotations
 
-import select
-import shutil
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
-from .shell import GPU_ENV, end_container, sh
+from .shell import end_container, first_line, gpu_program, sh
 
 PORT = 19499
 WAIT = 60.0
@@ -80,11 +78,7 @@ def _scrape(url: str) -> str:
 
 def metrics(node, template: Path) -> None:
     node.say("\n== nvcontainer metrics: a CUDA container's memory, and GPM, on GPU 0")
-    runc = [node.runc[0]]
-    bundle = node.bundle(template, [node.entries()["hook"]], GPU_ENV, ["/cudatest", "30"])
-    name = bundle.name
-    node.undo.append(lambda: (sh([*runc, "delete", "-f", name], env=node.runc_env),
-                              shutil.rmtree(bundle, ignore_errors=True)))
+    runc, name, proc = gpu_program(node, template, 30)
     out: dict = {"container": name}
     config = node.work / "metrics.toml"
     config.write_text(node.extra_config)
@@ -93,11 +87,8 @@ def metrics(node, template: Path) -> None:
     exporter = subprocess.Popen([str(node.ours), "--config", str(config), "metrics", "--listen",
                                  f"127.0.0.1:{PORT}", "--kubernetes", "off"],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(err, "w"))
-    proc = subprocess.Popen([*runc, "run", *node.no_pivot, "--bundle", str(bundle), name], env=node.runc_env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], WAIT)
-        out["program"] = proc.stdout.readline().decode(errors="replace").strip() if ready else "no output"
+        out["program"] = first_line(proc, WAIT)
         node.say(f"in the container: {out['program']}")
         cc = sh(["nvidia-smi", "-i", "0", "--query-gpu=compute_cap", "--format=csv,noheader"])["stdout"].strip()
         hopper = cc[:1].isdigit() and float(cc or 0) >= 9.0

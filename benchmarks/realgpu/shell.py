@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import select
+import shutil
 import subprocess
 import time
 
@@ -21,6 +23,27 @@ def sh(argv: list[str], *, env: dict | None = None, timeout: float = 120, input:
     return {"argv": argv, "rc": rc, "ms": round((time.perf_counter() - start) * 1000, 1),
             "stdout": out.decode(errors="replace")[-20000:], "stderr": err.decode(errors="replace")[-4000:]}
 
+
+
+def gpu_program(node, template, seconds: int) -> tuple[list[str], str, subprocess.Popen]:
+    """The CUDA program holding GPU 0 for ``seconds`` in a container that our prestart hook gave
+    it, under runc's default root (``/run/runc``, which ``ps`` and the exporter's scan read),
+    its removal left to the node's undo list: (runc, container name, its ``runc run``). End it
+    with :func:`end_container`."""
+    runc = [node.runc[0]]
+    bundle = node.bundle(template, [node.entries()["hook"]], GPU_ENV, ["/cudatest", str(seconds)])
+    name = bundle.name
+    node.undo.append(lambda: (sh([*runc, "delete", "-f", name], env=node.runc_env),
+                              shutil.rmtree(bundle, ignore_errors=True)))
+    proc = subprocess.Popen([*runc, "run", *node.no_pivot, "--bundle", str(bundle), name], env=node.runc_env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return runc, name, proc
+
+
+def first_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The program's first line of output (it has started), or "no output" within ``timeout``."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline().decode(errors="replace").strip() if ready else "no output"
 
 
 def collect(proc: subprocess.Popen, timeout: float = 180) -> dict:
