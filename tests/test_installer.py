@@ -84,6 +84,16 @@ def scratch(tmp_path: Path) -> tuple[Path, Path]:
     return host, named
 
 
+def containerd_config(host: Path, content: str | bytes) -> Path:
+    """The node's /etc/containerd/config.toml in the scratch root, holding ``content``."""
+    main = host / "etc/containerd/config.toml"
+    main.parent.mkdir(parents=True)
+    if isinstance(content, str):
+        content = content.encode()
+    main.write_bytes(content)
+    return main
+
+
 def env(host: Path, named: Path, source: Path, **more) -> dict:
     out = {"PATH": os.environ["PATH"], "HOST_ROOT_MOUNT": str(host), "TOOLKIT_INSTALL_DIR": str(named),
            "NVCONTAINER_SOURCE": str(source), "RUNTIME_RESTART_MODE": "none",
@@ -148,9 +158,7 @@ def test_containerd_cri_gpu_pod_then_sigterm_restores_byte_for_byte(machine, sou
     pytest.importorskip("grpc")
     base = cri.prepare(tmp_path / "c")
     host, named = scratch(tmp_path)
-    main = host / "etc/containerd/config.toml"
-    main.parent.mkdir(parents=True)
-    main.write_bytes((base / "config.toml").read_bytes())
+    main = containerd_config(host, (base / "config.toml").read_bytes())
     before = main.read_bytes()
     p = start(env(host, named, source))
     wait_ready(p, host)
@@ -264,9 +272,7 @@ def assert_untouched(res, host: Path, named: Path, files: dict[Path, bytes], wor
 ])
 def test_a_containerd_config_it_cannot_take_is_one_line(source, tmp_path, text, word):
     host, named = scratch(tmp_path)
-    main = host / "etc/containerd/config.toml"
-    main.parent.mkdir(parents=True)
-    main.write_text(text)
+    main = containerd_config(host, text)
     assert_untouched(once(env(host, named, source)), host, named, {main: text.encode()}, word)
 
 
@@ -298,9 +304,7 @@ def _unshared(script_: str, e: dict) -> subprocess.CompletedProcess:
 
 def test_a_read_only_config_directory_leaves_everything_as_it_was(source, tmp_path):
     host, named = scratch(tmp_path)
-    main = host / "etc/containerd/config.toml"
-    main.parent.mkdir(parents=True)
-    main.write_text(MAIN)
+    main = containerd_config(host, MAIN)
     d = host / "etc/containerd"
     res = _unshared(f'mount --bind {d} {d} && mount -o remount,bind,ro {d} && exec "$@"', env(host, named, source))
     assert_untouched(res, host, named, {main: MAIN.encode()}, "Read-only file system")
@@ -365,9 +369,7 @@ def fake_engine(sock: Path, *, supervised: bool, pidfile: Path | None = None) ->
 @pytest.mark.parametrize("supervised", [True, False])
 def test_restart_by_signal_waits_for_the_engine_or_puts_its_files_back(source, tmp_path, supervised):
     host, named = scratch(tmp_path)
-    main = host / "etc/containerd/config.toml"
-    main.parent.mkdir(parents=True)
-    main.write_text(MAIN)
+    main = containerd_config(host, MAIN)
     (host / "run/containerd").mkdir()
     engine_ = fake_engine(host / "run/containerd/containerd.sock", supervised=supervised)
     try:
@@ -398,9 +400,7 @@ def test_restart_by_systemd_runs_the_host_s_systemctl_in_its_root(source, tmp_pa
     process. Here the host root is a busybox with a systemctl that restarts the supervised fake
     engine as systemd would; one that fails puts the files back, in one line."""
     host, named = scratch(tmp_path)
-    main = host / "etc/containerd/config.toml"
-    main.parent.mkdir(parents=True)
-    main.write_text(MAIN)
+    main = containerd_config(host, MAIN)
     (host / "run/containerd").mkdir()
     for d in ("bin", "usr/bin"):
         (host / d).mkdir(parents=True, exist_ok=True)
@@ -427,9 +427,7 @@ def test_restart_by_systemd_runs_the_host_s_systemctl_in_its_root(source, tmp_pa
 
 def test_killed_mid_install_leaves_nothing_half_written_and_the_next_run_completes(source, tmp_path):
     host, named = scratch(tmp_path)
-    main = host / "etc/containerd/config.toml"
-    main.parent.mkdir(parents=True)
-    main.write_text(MAIN)
+    main = containerd_config(host, MAIN)
     for delay in (0.3, 0.5, 0.7, 0.9, 1.1):
         p = start(env(host, named, source))
         time.sleep(delay)
@@ -454,9 +452,7 @@ def test_killed_mid_install_leaves_nothing_half_written_and_the_next_run_complet
 
 def test_a_second_installer_stands_by_and_takes_over_with_its_version_atomically(source, tmp_path):
     host, named = scratch(tmp_path)
-    main = host / "etc/containerd/config.toml"
-    main.parent.mkdir(parents=True)
-    main.write_text(MAIN)
+    main = containerd_config(host, MAIN)
     newer = tmp_path / "newer"
     shutil.copytree(source, newer, symlinks=True)
     (newer / "VERSION").write_text("the next build\n")
@@ -710,9 +706,7 @@ def test_containerd_restarted_by_the_signal_keeps_running_containers_and_runs_gp
 
     base = cri.prepare(tmp_path / "c")
     host, named = scratch(tmp_path)
-    main = host / "etc/containerd/config.toml"
-    main.parent.mkdir(parents=True)
-    main.write_bytes((base / "config.toml").read_bytes())
+    main = containerd_config(host, (base / "config.toml").read_bytes())
     (host / "run/containerd").mkdir()
     os.symlink(base / "c.sock", host / "run/containerd/containerd.sock")   # the engine's socket on the host
     helpers = cri.CLIENT[:cri.CLIENT.index("sock, logs, wanted")]
@@ -762,9 +756,7 @@ main(["install"])
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_killed_between_two_engine_writes_the_next_run_takes_both_back(source, tmp_path, when):
     host, named = scratch(tmp_path)
-    main = host / "etc/containerd/config.toml"
-    main.parent.mkdir(parents=True)
-    main.write_text(MAIN)
+    main = containerd_config(host, MAIN)
     e = env(host, named, source)
     res = subprocess.run([sys.executable, "-c", KILLED_AT, when], env=e, capture_output=True, text=True, timeout=120)
     assert res.returncode == 9, res.stderr
@@ -779,9 +771,7 @@ def test_killed_between_two_engine_writes_the_next_run_takes_both_back(source, t
 
 def test_a_node_set_up_by_hand_is_left_to_the_package(source, tmp_path):
     host, named = scratch(tmp_path)
-    main = host / "etc/containerd/config.toml"
-    main.parent.mkdir(parents=True)
-    main.write_text(MAIN)
+    main = containerd_config(host, MAIN)
     subprocess.run([*CLI, "setup", "containerd", "--prefix", str(host), "--engine-version", "1.6.20", "--hook-path",
                     str(VENV / "nvcontainer-hook")], check=True, capture_output=True, timeout=120)
     before = {p: p.read_bytes() for p in (main, host / containerd_setup.DROPIN.lstrip("/"))}
