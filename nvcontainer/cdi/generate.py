@@ -69,6 +69,14 @@ class Options:
     cuda_compat: bool = True   # update-ldcache gets --host-driver-version (config cuda-compat-mode not disabled)
 
 
+def options_for(config, **fields) -> Options:
+    """What the node's configuration decides of a spec (its ldconfig, its deadline under each
+    hook's timeout, CUDA forward compatibility unless ``cuda-compat-mode`` is disabled), with
+    ``fields`` on top: every writer of a spec for this node gets them alike."""
+    return Options(**{"ldconfig": config.ldconfig_program(), "deadline": config.deadline,
+                      "cuda_compat": config.cuda_compat_mode != "disabled", **fields})
+
+
 def generate(inv: Inventory, opts: Options) -> Spec:
     kind = check_kind(opts.vendor, opts.cls)
     unknown = [s for s in opts.strategies if s not in STRATEGIES]

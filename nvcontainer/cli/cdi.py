@@ -36,11 +36,10 @@ def cdi_generate(obj: Context, output, fmt, strategies, vendor, cls, no_all_devi
 
     hook = hook_path or commands.default_hook_path()
     inv = obj.inventory()
-    opts = generate.Options(
-        hook_path=hook, vendor=vendor, cls=cls,
+    opts = generate.options_for(
+        obj.config, hook_path=hook, vendor=vendor, cls=cls,
         strategies=tuple(dict.fromkeys(strategies)) or generate.DEFAULT_STRATEGIES, all_device=not no_all_device,
-        ldconfig=obj.config.ldconfig_program(), allow=obj.allow_list(inv), deadline=obj.config.deadline,
-        host_root=_absolute(host_driver_root), cuda_compat=obj.config.cuda_compat_mode != "disabled",
+        allow=obj.allow_list(inv), host_root=_absolute(host_driver_root),
     )
     text = commands.generate_spec(inv, opts, store.format_for(output, fmt), output)
     if text is not None:

@@ -78,8 +78,7 @@ def setup(obj: Context, engine, dry_run, undo, prefix, with_cdi, set_as_default,
         from ..cdi import generate
 
         inv = obj.inventory()
-        opts = generate.Options(hook_path=hook, ldconfig=obj.config.ldconfig_program(), allow=obj.allow_list(inv),
-                                deadline=obj.config.deadline, cuda_compat=obj.config.cuda_compat_mode != "disabled")
+        opts = generate.options_for(obj.config, hook_path=hook, allow=obj.allow_list(inv))
         options = replace(options, cdi_spec=commands.generate_spec(inv, opts, "yaml", None))
     steps = engines.steps(options, inst, world)
     sys.stdout.write(perform.perform(steps, prefix=prefix, dry_run=dry_run, stamp=stamp))

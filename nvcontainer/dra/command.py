@@ -49,9 +49,8 @@ def run(config, *, node_name: str, cdi_root: str, registrar_dir: str, plugins_di
     table = device_table(inv, allow(inv))
     log.info(f"devices offered: {', '.join(table) or 'none'}")
     host_root = host_root or config.root
-    opts = generate.Options(hook_path=hook_path or commands.default_hook_path(), ldconfig=_ldconfig(config, host_root),
-                            deadline=config.deadline, host_root=host_root,
-                            cuda_compat=config.cuda_compat_mode != "disabled")
+    opts = generate.options_for(config, hook_path=hook_path or commands.default_hook_path(),
+                                ldconfig=_ldconfig(config, host_root), host_root=host_root)
     api = _api(kubeconfig)
 
     def get_claim(namespace: str, name: str, deadline: float) -> dict:

@@ -24,7 +24,6 @@ MAX_LINKS = 4096
 MAX_PATH = 4096
 PARAMS = "/proc/driver/nvidia/params"
 DROP_IN = "/etc/ld.so.conf.d/00-nvcontainer-cdi.conf"
-COMPAT_DIR = "/usr/local/cuda/compat"   # plan.container's, not imported: the other hooks need none of it
 
 USAGE = f"""usage: {PROG} create-symlinks [--debug FILE] --link TARGET::LINK...
        {PROG} update-ldcache [--debug FILE] --folder DIR... [--ldconfig-path PATH]
@@ -77,15 +76,15 @@ def parse_args(argv: list[str]) -> tuple[str, dict]:
     if sub == "update-ldcache" and not opts["folders"]:
         raise Usage("update-ldcache: at least one --folder DIR")
     version = opts.get("host_driver_version")
-    if version is not None and not _is_version(version):
-        raise Usage(f"update-ldcache: --host-driver-version {escape(version, 80)}: expected a driver version "
-                    "such as 550.54.14")
+    if version is not None:
+        from ..plan.volume import check_version   # the driver version's one check (the volume's directory name)
+
+        try:
+            check_version(version)
+        except NvcError:
+            raise Usage(f"update-ldcache: --host-driver-version {escape(version, 80)}: expected a driver version "
+                        "such as 550.54.14") from None
     return sub, opts
-
-
-def _is_version(text: str) -> bool:
-    parts = text.split(".")
-    return len(parts) <= 4 and all(0 < len(p) <= 6 and p.isascii() and p.isdigit() for p in parts)
 
 
 def parse_link(value: str) -> tuple[str, str]:
@@ -220,9 +219,10 @@ def _update_ldcache(pinned, rootfs: str, opts: dict, owner, end: float) -> None:
     from ..config.model import LDCONFIG, host_ldconfig
 
     folders = list(dict.fromkeys(opts["folders"]))
-    if opts.get("host_driver_version") and _wants_compat(pinned.pid, rootfs, opts["host_driver_version"]):
-        folders = [COMPAT_DIR, *(f for f in folders if f != COMPAT_DIR)]
-        log.info(f"CUDA forward compatibility: {COMPAT_DIR} scanned first")
+    compat = _compat_dir(pinned.pid, rootfs, opts["host_driver_version"]) if opts.get("host_driver_version") else None
+    if compat:
+        folders = [compat, *(f for f in folders if f != compat)]
+        log.info(f"CUDA forward compatibility: {compat} scanned first")
     program = host_ldconfig(opts.get("ldconfig", LDCONFIG))
     if not program.startswith("/"):
         raise NvcError("input", f"--ldconfig-path {escape(program)}: must be an absolute host path")
@@ -248,15 +248,16 @@ def _update_ldcache(pinned, rootfs: str, opts: dict, owner, end: float) -> None:
     log.info("ldconfig done")
 
 
-def _wants_compat(pid: int, rootfs: str, host_version: str) -> bool:
-    """Whether the image holds a compat libcuda newer than the host driver: its names and ELF
-    headers read in-root from the container's own mount view, as the hook path reads them."""
-    from ..plan.container import compat_libs, forward_compat
+def _compat_dir(pid: int, rootfs: str, host_version: str) -> str | None:
+    """The image's CUDA compat directory when it holds a libcuda newer than the host driver,
+    else None: its names and ELF headers read in-root from the container's own mount view, as
+    the hook path reads them."""
+    from ..plan.container import COMPAT_DIR, compat_libs, forward_compat
     from ..plan.gather import open_rootfs
 
     fd = open_rootfs(rootfs, pid)
     try:
-        return forward_compat(compat_libs(fd), host_version)
+        return COMPAT_DIR if forward_compat(compat_libs(fd), host_version) else None
     finally:
         os.close(fd)
 

@@ -202,9 +202,7 @@ class Node:
         cfg = configuration.load(None).with_overrides(root=self.at(self.s.driver_root))
         try:
             inv = cached_inventory(cfg)
-            opts = generate.Options(hook_path=os.path.join(self.bin_dir, "nvcontainer-hook"),
-                                    ldconfig=cfg.ldconfig_program(), deadline=cfg.deadline,
-                                    cuda_compat=cfg.cuda_compat_mode != "disabled")
+            opts = generate.options_for(cfg, hook_path=os.path.join(self.bin_dir, "nvcontainer-hook"))
             text = generate.render(generate.generate(inv, opts), "yaml", inv.driver_version)
         except NvcError as exc:
             if not self._cdi_said:
