@@ -95,8 +95,6 @@ class Settings:
         return check(replace(self, **_checked(raw, "command line")))
 
 
-
-
 def _choice(choices):
     def check(value, key):
         if value not in choices:
