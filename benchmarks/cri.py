@@ -41,11 +41,6 @@ RUNTIMES = """
 [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
   runtime_type = "io.containerd.runc.v2"
 """
-HANDLER = """[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{name}]
-  runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{name}.options]
-    BinaryName = "{path}"
-"""
 
 # the world: /run and /etc as the docker benchmark has them, the server, containerd, the images
 SCRIPT = r"""
@@ -64,42 +59,6 @@ rc=$?
 kill $daemon; wait $daemon 2>/dev/null
 exit $rc
 """
-
-# the kubelet's part, timed: argv[1] socket, argv[2] logs, argv[3] rounds, argv[4] {arm: [handler, env]}
-LOOP = r"""
-import time
-rounds, arms = int(sys.argv[3]), json.loads(sys.argv[4])
-names = list(arms)
-for r in range(rounds):
-    for k in range(len(names)):
-        arm = names[(k + r) % len(names)]
-        handler, env = arms[arm]
-        pod = msg(1, msg(1, f"p-{arm}-{r}"), msg(2, f"u-{arm}-{r}"), msg(3, "default")) + msg(3, logs) \
-            + msg(8, msg(2, msg(1, num(1, 2))))
-        t0 = time.perf_counter()
-        rc = -1
-        try:
-            sandbox = call("RunPodSandbox", msg(1, pod) + msg(2, handler))[1][0].decode()
-            config = msg(1, msg(1, "c")) + msg(2, msg(1, IMAGE)) + msg(3, "/bin/true") \
-                + b"".join(msg(6, msg(1, a), msg(2, b)) for a, b in (e.split("=", 1) for e in env)) \
-                + msg(11, f"{arm}-{r}.log")
-            container = call("CreateContainer", msg(1, sandbox) + msg(2, config) + msg(3, pod))[1][0].decode()
-            call("StartContainer", msg(1, container))
-            while True:
-                status = fields(call("ContainerStatus", msg(1, container))[1][0])
-                if status.get(3, [0])[0] == 2:
-                    break
-                time.sleep(0.002)
-            rc = status.get(7, [0])[0]
-            us = int((time.perf_counter() - t0) * 1e6)
-            call("StopPodSandbox", msg(1, sandbox))
-            call("RemovePodSandbox", msg(1, sandbox))
-        except grpc.RpcError as exc:
-            us = int((time.perf_counter() - t0) * 1e6)
-            print(f"E {arm} {exc.code()}: {exc.details()}"[:600], flush=True)
-        print(f"T {arm} {r} {us} {rc}", flush=True)
-"""
-
 
 def chain(base: Path, real: str | Path, extra: str | None = None) -> Path:
     """dockernode.chain's program, mounting the tmpfs first (CHAIN_TMPFS)."""
@@ -124,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         if "nvidia-toolkit" in runtimes:
             chain(node / "hook-nvidia", nvidia.hook_entry(base, machine, args.anchors)["path"])
         text = (base / "config.toml").read_text() + RUNTIMES + "".join(
-            HANDLER.format(name=name, path=runtimes[key]["path"])
+            dockernode.CRI_HANDLER.format(name=name, path=runtimes[key]["path"])
             for name, key in (("nvidia", "nvidia"), ("nvidia-toolkit", "nvidia-toolkit")) if key in runtimes) + \
-            HANDLER.format(name="runc-named", path=shutil.which("runc"))
+            dockernode.CRI_HANDLER.format(name="runc-named", path=shutil.which("runc"))
         config = base / "bench.toml"
         config.write_text(text)
         gpu = ["NVIDIA_VISIBLE_DEVICES=0"]
@@ -136,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 "served": ["nvidia", gpu]}
         if "nvidia-toolkit" in runtimes:
             arms.update({"nvidia": ["nvidia-toolkit", gpu], "nvidia-nogpu": ["nvidia-toolkit", []]})
-        helpers = cri.CLIENT[:cri.CLIENT.index("sock, logs, wanted")]
-        client = helpers + "sock, logs = sys.argv[1], sys.argv[2]\nIMAGE = " + json.dumps(cri.IMAGE) + \
-            "\nchannel = grpc.insecure_channel('unix://' + sock)\n" + \
-            "def call(method, request):\n    rpc = channel.unary_unary('/runtime.v1.RuntimeService/' + method, " \
-            "request_serializer=None, response_deserializer=None)\n    return fields(rpc(request, timeout=120))\n" + LOOP
+        client = dockernode.cri_loop_client(cri.IMAGE)
         inner = ["sh", "-c", SCRIPT, "sh", str(base), str(config), str(etc), str(ws.python), str(node / "served.toml"),
                  sys.executable, "-I", "-c", client, str(base / "c.sock"), str(base / "logs"), str(args.runs + 1),
                  json.dumps(arms)]

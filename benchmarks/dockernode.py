@@ -245,3 +245,63 @@ def samples_of(stdout: str, arms) -> tuple[dict[str, list[tuple[int, float, int]
         elif line.strip():
             errors.append(line)
     return samples, errors
+
+
+# A containerd CRI runtime handler executing the runtime at {path} (the runc v2 shim's BinaryName),
+# as `nvcontainer setup containerd` and the installer register ours: benchmarks.cri and the
+# real-GPU check's engines step register each arm's runtime so.
+CRI_HANDLER = """[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{name}]
+  runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{name}.options]
+    BinaryName = "{path}"
+"""
+
+
+# The kubelet's part, timed (benchmarks.cri, and the real-GPU check's engines step): argv[1] socket,
+# argv[2] logs, argv[3] rounds, argv[4] {arm: [handler, env]}; prints "T <arm> <round> <us> <rc>".
+CRI_LOOP = r"""
+import time
+rounds, arms = int(sys.argv[3]), json.loads(sys.argv[4])
+names = list(arms)
+for r in range(rounds):
+    for k in range(len(names)):
+        arm = names[(k + r) % len(names)]
+        handler, env = arms[arm]
+        pod = msg(1, msg(1, f"p-{arm}-{r}"), msg(2, f"u-{arm}-{r}"), msg(3, "default")) + msg(3, logs) \
+            + msg(8, msg(2, msg(1, num(1, 2))))
+        t0 = time.perf_counter()
+        rc = -1
+        try:
+            sandbox = call("RunPodSandbox", msg(1, pod) + msg(2, handler))[1][0].decode()
+            config = msg(1, msg(1, "c")) + msg(2, msg(1, IMAGE)) + msg(3, "/bin/true") \
+                + b"".join(msg(6, msg(1, a), msg(2, b)) for a, b in (e.split("=", 1) for e in env)) \
+                + msg(11, f"{arm}-{r}.log")
+            container = call("CreateContainer", msg(1, sandbox) + msg(2, config) + msg(3, pod))[1][0].decode()
+            call("StartContainer", msg(1, container))
+            while True:
+                status = fields(call("ContainerStatus", msg(1, container))[1][0])
+                if status.get(3, [0])[0] == 2:
+                    break
+                time.sleep(0.002)
+            rc = status.get(7, [0])[0]
+            us = int((time.perf_counter() - t0) * 1e6)
+            call("StopPodSandbox", msg(1, sandbox))
+            call("RemovePodSandbox", msg(1, sandbox))
+        except grpc.RpcError as exc:
+            us = int((time.perf_counter() - t0) * 1e6)
+            print(f"E {arm} {exc.code()}: {exc.details()}"[:600], flush=True)
+        print(f"T {arm} {r} {us} {rc}", flush=True)
+"""
+
+
+def cri_loop_client(image: str) -> str:
+    """:data:`CRI_LOOP` as one ``python -I -c`` program over the CRI socket, pods of ``image``
+    (the protobuf helpers are the tests' CRI client's: raw bytes, no generated code)."""
+    from tests.fixtures import cri
+
+    helpers = cri.CLIENT[:cri.CLIENT.index("sock, logs, wanted")]
+    return (helpers + "sock, logs = sys.argv[1], sys.argv[2]\nIMAGE = " + json.dumps(image)
+            + "\nchannel = grpc.insecure_channel('unix://' + sock)\n"
+            + "def call(method, request):\n    rpc = channel.unary_unary('/runtime.v1.RuntimeService/' + method, "
+            "request_serializer=None, response_deserializer=None)\n    return fields(rpc(request, timeout=120))\n"
+            + CRI_LOOP)

@@ -7,8 +7,10 @@
 # runc and a static busybox (Debian's), the shared libraries runc and NVIDIA's cli need (lib/),
 # NVIDIA's tools to compare with (../shared/anchors, never part of this repository), wheels of
 # what the node's python lacks (whl/), and python-prctl's sdist with libcap's header (sdist/,
-# inc/): PyPI has no wheel of it, so realgpu.sh builds one on the node with the node's compiler.
-# About 25 MiB; carry it to the node with the checkout (the device tool: `carry`).
+# inc/): PyPI has no wheel of it, so realgpu.sh builds one on the node with the node's compiler;
+# and containerd 1.6, its runc v2 shim, ctr and dockerd 20.10, xz-compressed (engines/: the
+# engines step). About 63 MiB; carry it to the node with the checkout (the device tool: `carry`;
+# its limit is 64 MiB with the checkout: leave grpcio's wheel behind where the node has grpcio).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools=${1:?usage: benchmarks/realgpu_tools.sh TOOLS [PYVER]} pyver=${2:-3.12}
@@ -20,8 +22,11 @@ for l in libcap.so.2 libelf.so.1 libseccomp.so.2 libtirpc.so.3 libgssapi_krb5.so
          libk5crypto.so.3 libkrb5support.so.0 libcom_err.so.2 libkeyutils.so.1; do
     cp -L "/lib/x86_64-linux-gnu/$l" "$tools/lib/"
 done
+cp -L /lib/x86_64-linux-gnu/libdevmapper.so.1.02.1 "$tools/lib/"   # dockerd's, which a node may lack
 ln -s libcap.so.2 "$tools/lib/libcap.so"
 cp /usr/include/sys/capability.h "$tools/inc/sys/"
+mkdir "$tools/engines"
+for b in containerd containerd-shim-runc-v2 ctr dockerd; do xz -T0 -6 -c "$(command -v $b)" > "$tools/engines/$b.xz"; done
 pip=(.venv/bin/python -m pip download -q --no-deps --disable-pip-version-check)
 binary=(--only-binary=:all: --python-version "$pyver" --implementation cp --platform any
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)

@@ -35,7 +35,7 @@ FAST = frozenset({
     "test_benchmarks_dockertrace.py", "test_benchmarks_targets.py", "test_bounded.py", "test_cli_argp.py",
     "test_config.py", "test_deviceplugin_core.py", "test_dra_kubeapi.py", "test_dra_opaque.py", "test_dra_prepared.py",
     "test_elfinfo.py", "test_ldcache.py", "test_leases_bounds.py", "test_leases_grant.py", "test_oci.py",
-    "test_records.py", "test_request.py", "test_require.py", "test_visible_devices.py",
+    "test_realgpu_engines.py", "test_records.py", "test_request.py", "test_require.py", "test_visible_devices.py",
 })
 
 

@@ -236,6 +236,26 @@ def test_new_persistenced_socket_is_seen(machine, cache_dir):
     assert "persistenced" not in [f.name for f in inventory(machine, cfg).ipcs]
 
 
+def test_a_busy_tmp_is_not_a_miss_but_the_mps_directory_is_seen(machine, cache_dir):
+    """The MPS pipe directory's parent, /tmp, is written by anything on a node (ctr makes a FIFO
+    directory there for every container it runs): only the pipe directory itself is watched, so
+    the entry stays a hit; the directory appearing is still a miss that finds it."""
+    tmp = machine.root / "tmp"
+    shutil.rmtree(tmp / "nvidia-mps")   # the fake machine has one: start without
+    cfg = config_for(machine, cache_dir)
+    before = inventory(machine, cfg)
+    assert "mps" not in [f.name for f in before.ipcs]
+    written = the_entry(cache_dir).stat().st_ino
+    (tmp / "ctr-12345").mkdir()
+    (tmp / "ctr-12345").rmdir()
+    (tmp / "unrelated").write_text("x")
+    assert inventory(machine, cfg) == before
+    assert the_entry(cache_dir).stat().st_ino == written   # a hit: not rebuilt, not rewritten
+    (tmp / "nvidia-mps").mkdir()
+    assert "mps" in [f.name for f in inventory(machine, cfg).ipcs]
+    assert the_entry(cache_dir).stat().st_ino != written
+
+
 def test_graphics_changes_are_seen(machine, cache_dir):
     """What graphics.py finds is kept in the entry and re-validated: a Vulkan ICD installed
     under another search directory, a DRI node gone, a GPU's DRM device gone from sysfs (the

@@ -22,6 +22,7 @@ import pytest
 from nvcontainer.hook import client as hookclient
 from nvcontainer.native import build as native
 from tests.test_runtime_engines import CHECKS, Shim, assert_sees_only, bundle_without_hooks, facts, machine  # noqa: F401
+from tests.fixtures import runtime as rt
 from tests.test_serve import _request, in_world, server  # noqa: F401 (a fixture)
 
 RUNTIME_REQUEST = "runtime request from pid "
@@ -61,8 +62,34 @@ def test_a_gpu_container_gets_its_spec_edit_from_the_server(machine, tmp_path, g
     trace = (tmp_path / "serve.log").read_text()
     assert trace.count(RUNTIME_REQUEST) == 1 and "declined" not in trace, trace
     assert f"--bundle {bundle}" in trace
+    assert trace.count("a runtime create was served: its hook's spare is forked at once") == 1, trace
     # the shim's own trace (its config's debug file) was written by the server's child
     assert "written" in shim.log.read_text()
+
+
+def test_the_hook_after_a_served_edit_runs_in_a_spare_forked_for_it(machine, tmp_path, native_client):
+    """The edit tells the server its container's hook asks next (on a real node sooner than the
+    50 ms after which an idle server forks a spare on its own): the server hears it between the
+    edit's spare and the hook's, and the hook runs in a spare (its worker forked ahead). When the
+    spare is forked is serve/server.py's spare_wait (tests/test_serve.py)."""
+    from nvcontainer.native import build as native_build
+
+    sock = str(tmp_path / "srv" / "hook.sock")
+    shim = served_shim(tmp_path / "shim", machine, sock)
+    client = tmp_path / "client" / native_build.NAME   # the native client as `setup --serve` builds it
+    client.parent.mkdir()
+    shutil.copy2(native_client, client)
+    shim.hook.write_text(rt.driver_wrapper(f"{client} --socket {sock}"))
+    bundle = bundle_without_hooks(tmp_path / "b", machine, ["NVIDIA_VISIBLE_DEVICES=0"])
+    out = in_world(machine, tmp_path, runc_steps(shim, bundle, "spare"), sock)
+    res = Result(out["steps"][0])
+    assert res.returncode == 0, res.stderr
+    assert_sees_only(facts(res), 0)
+    trace = (tmp_path / "serve.log").read_text()
+    lines = trace.splitlines()
+    told = next(i for i, line in enumerate(lines) if "its hook's spare is forked at once" in line)
+    took = [i for i, line in enumerate(lines) if " took a request" in line]
+    assert len(took) == 2 and took[0] < told < took[1], trace   # the edit's spare, then the hook's
 
 
 def test_the_served_edit_is_the_python_halfs_byte_for_byte(machine, tmp_path):

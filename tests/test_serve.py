@@ -718,3 +718,14 @@ def test_a_hostile_image_gets_nothing_out_of_the_server(fake_machine, tmp_path, 
         assert facts["DONE"] == ["ok"]
     else:   # refused: one line from our hook in runc's error
         assert "nvcontainer-hook: " in res["stderr"], res["stderr"]
+
+
+def test_the_next_spare_comes_at_once_only_when_a_hook_follows():
+    """After a served runtime create, the spare for its hook is forked without the idle delay
+    that otherwise leaves the CPUs to the container being started (serve/server.py)."""
+    from nvcontainer.serve import server as srv
+
+    assert srv.spare_wait(10.0, 10.0, False) == pytest.approx(srv.SPARE_DELAY)
+    assert srv.spare_wait(10.0, 10.0 + srv.SPARE_DELAY, False) <= 0
+    assert srv.spare_wait(10.0, 10.0, True) <= 0
+    assert srv.spare_wait(10.0, 9.9, True) > 0   # still from the moment the server went idle

@@ -21,6 +21,10 @@ up on a bare machine), it records, into one JSON file and one text report,
   once per registration, the p95 each adds over the no-hook arm's; from these two steps, issue
   27's targets 1 to 3 with a real node's limits, against NVIDIA's arm of the same run
   (``benchmarks/targets.py``, the table ``python -m benchmarks`` ends with on the fake machine);
+* the engines' path (``benchmarks/realgpu/engines.py``, issue 33): a GPU container's start
+  through containerd's CRI, through ``ctr run`` (containerd's runc shim executing the runtime's
+  binary, as dockerd does) and through dockerd where ``TOOLS/engines`` carries it, ours beside
+  NVIDIA's runtime and plain runc, interleaved;
 * the Kubernetes side (``benchmarks/realgpu/k8s.py``): two containers at once on GPU 0's MPS
   replicas (``nvcontainer mps-daemon`` and what the device plugin's Allocate hands out), the
   real GPU's DRA ResourceSlice and one claim prepared by ``nvcontainer dra-driver`` and run

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .. import nvidia
-from . import installer, k8s, metrics
+from . import engines, installer, k8s, metrics
 from .node import Node
 from .starts import StartSteps
 
@@ -32,7 +32,7 @@ def main() -> int:
     parser.add_argument("--at-once", type=int, default=32, help="starts spawned together (concurrent step)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the concurrent step")
     parser.add_argument("--only", default="facts,parity,extras,deviceplugin,configure,runc,timing,concurrent,"
-                                          "profile,shim,mps,dra,ps,installer,metrics", help="the steps to run, comma-separated (default: %(default)s)")
+                                          "profile,shim,engines,mps,dra,ps,installer,metrics", help="the steps to run, comma-separated (default: %(default)s)")
     args = parser.parse_args()
     node = GpuNode(args)
     parts = args.only.split(",")
@@ -54,7 +54,7 @@ def main() -> int:
                 except Exception as exc:  # one broken step must not lose the others' record
                     node.say(f"!! step {name} failed: {type(exc).__name__}: {exc}")
         if {"configure", "runc", "timing", "concurrent", "profile", "shim", "mps", "dra", "ps", "installer",
-            "metrics"} & set(parts):
+            "metrics", "engines"} & set(parts):
             template = node.build_rootfs()
             node.base_spec = node.spec()
             node.start_server()
@@ -66,6 +66,7 @@ def main() -> int:
                                ("concurrent", lambda: node.concurrent(template, args.at_once, args.rounds)),
                                ("profile", lambda: node.profile(template)),
                                ("shim", lambda: node.shim(template)),
+                               ("engines", lambda: engines.engines(node, template, args.runs)),
                                ("mps", lambda: k8s.mps(node, template)),
                                ("dra", lambda: k8s.dra(node, template)),
                                ("ps", lambda: k8s.ps(node, template)),

@@ -20,8 +20,10 @@ configuration and program (:func:`entry_name`) under ``cache-dir`` (default
   MIG capability tree (instances created or destroyed);
 * the files: the ``lstat`` identity (inode, device, size, mode, mtime, ctime, rdev) of every
   path the inventory was read from or would have found something at: the ld cache, every
-  listed file and its directory, the PATH directories and the driver's own ``bin``, IPC and
-  firmware locations, and the device nodes, present or not (``nvidia-uvm`` appears on first use).
+  listed library, program and firmware file and its directory, the PATH directories and the
+  driver's own ``bin``, the firmware directory, the IPC paths themselves (never their
+  directories: the MPS pipe directory's is ``/tmp``, which a node writes all the time), and the
+  device nodes, present or not (``nvidia-uvm`` appears on first use).
 
 Anything that does not match is a miss: the inventory is rebuilt and the file atomically
 replaced (write a temporary file, rename over). NVML's own answers are kept in the same file
@@ -211,8 +213,7 @@ def watch_paths(inventory: Inventory, inputs: dict) -> list[str]:
                 pass
 
     add(inputs["ldcache"], resolved=True)
-    for f in (*inventory.libraries, *inventory.libraries32, *inventory.binaries, *inventory.firmwares,
-              *inventory.ipcs):
+    for f in (*inventory.libraries, *inventory.libraries32, *inventory.binaries, *inventory.firmwares):
         add(f.path)
         add(os.path.dirname(f.path))
     for d in inputs["search_path"].split(":"):
@@ -221,9 +222,11 @@ def watch_paths(inventory: Inventory, inputs: dict) -> list[str]:
     for f in inventory.libraries:   # the driver's own bin directory, searched after the PATH
         if os.path.basename(f.path).startswith("libnvidia-ml.so"):
             add(files.driver_bin(f.path), resolved=True)
+    # The IPC paths themselves, present or not, never their directories: the MPS pipe directory
+    # lives in /tmp, which anything on a node writes to (ctr's FIFO directories, on every
+    # container), and a watched /tmp made every GPU start there rebuild the inventory.
     for path in (PERSISTENCED_SOCKET, FABRICMANAGER_SOCKET, inputs["mps_dir"]):
-        add(path)
-        add(os.path.dirname(path), resolved=True)
+        add(path, resolved=True)
     add(f"/lib/firmware/nvidia/{inventory.driver_version}", resolved=True)
     for path in (*CONTROL_NODES, *NODE_DIRS, *(g.node.path for g in inventory.gpus)):
         add(path)

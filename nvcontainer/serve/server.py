@@ -57,6 +57,7 @@ MAX_CHILDREN = 256
 MAX_SPARE_FAILURES = 3   # spares in a row that died without a request: stop forking them ahead
 SPARE_DELAY = 0.05       # idle seconds before the spare is forked: the runtime is still starting
                          # the container that the last hook was for, and should have the CPUs
+                         # (none after a served runtime create: its own hook is what comes next)
 CLIENT_GONE_GRACE = 0.1  # seconds a child may take to exit after its client hung up
 
 
@@ -224,6 +225,7 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool, leases: Leas
     request.REPORT_TO.setblocking(False)
     spare: _Spare | None = None
     spare_failures = 0
+    hook_follows = False   # a served runtime create said its hook comes next
     idle_since: float | None = time.monotonic() - SPARE_DELAY   # nothing has run yet: fork one at once
     # Everything imported so far lives as long as the server: keep it out of the collector's
     # walks, here and in every child, whose pages then stay shared.
@@ -247,9 +249,10 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool, leases: Leas
             elif idle_since is None:
                 idle_since = time.monotonic()
             if spare is None and use_spare and idle_since is not None:
-                wait = idle_since + SPARE_DELAY - time.monotonic()
+                wait = spare_wait(idle_since, time.monotonic(), hook_follows)
                 if wait <= 0:
                     spare = _fork_spare(sock)
+                    hook_follows = False
                 else:
                     timeout = wait if timeout is None else min(timeout, wait)
             poller = select.poll()
@@ -291,7 +294,7 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool, leases: Leas
                 if fd == wake_r:
                     _drain(wake_r)
                 elif fd == learn_r.fileno():
-                    _learn(learn_r)
+                    hook_follows = _learn(learn_r) or hook_follows
                 elif fd == sock.fileno() and polled_spare is not None:
                     polled_spare.low = False
                     background.lift(polled_spare.pid)
@@ -342,19 +345,32 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _learn(learn_r: socket.socket) -> None:
-    """A request child's report of the pages it wrote: what the next spares warm (see
-    :mod:`..apply.prewarm`). A malformed one is ignored."""
+def spare_wait(idle_since: float, now: float, hook_follows: bool) -> float:
+    """Seconds until the next spare is forked (<= 0: now): :data:`SPARE_DELAY` after the server
+    went idle, or at once when a served runtime create said its hook comes next. That hook
+    follows within runc's create, tens of milliseconds on a real node: without a spare ready
+    it would be served by a child forked for it, paying the copy-on-write faults and its
+    worker's fork on the container's path."""
+    return idle_since + (0.0 if hook_follows else SPARE_DELAY) - now
+
+
+def _learn(learn_r: socket.socket) -> bool:
+    """A request child's message: the pages it wrote, what the next spares warm (see
+    :mod:`..apply.prewarm`), or that a hook follows (True). A malformed one is ignored."""
     from ..apply import prewarm
 
     try:
         data = learn_r.recv(prewarm.MAX_REPORT + 1)
+        if data == request.HOOK_FOLLOWS:
+            log.info("a runtime create was served: its hook's spare is forked at once")
+            return True
         ranges = prewarm.unpack(data)
     except (BlockingIOError, InterruptedError, ValueError):
-        return
+        return False
     prewarm.LEARNED = data
     log.info(f"spares warm {sum(end - start for start, end in ranges) >> 10} KiB from now on, "
              f"in {len(ranges)} ranges a request wrote")
+    return False
 
 
 _forks = 0   # spares and request children forked so far (see _will_report)
@@ -474,6 +490,7 @@ def _spare_child(sock: socket.socket, notify: socket.socket) -> int:
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             continue
     sock.close()
+    log.info(f"spare {os.getpid()} took a request")
     socket.send_fds(notify, [b"t"], [conn.fileno()])
     notify.close()
     return handle(conn)
