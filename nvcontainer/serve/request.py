@@ -29,6 +29,7 @@ import sys
 from .. import log
 from ..errors import escape
 from ..hook import client as hookclient
+from . import reports
 
 REQUEST_TIMEOUT = 10.0   # for the request message to arrive after connect
 _NAMESPACES = ("mnt", "pid", "cgroup", "user")
@@ -84,7 +85,7 @@ def handle(conn: socket.socket) -> int:
     except OSError:
         pass
     code = _answer(conn, f"rc {status & 0xFF}", code=0)
-    _report_pages()
+    reports.report_pages()
     return code
 
 
@@ -123,34 +124,9 @@ def _run_runtime(conn: socket.socket, argv: list[str]) -> int:
     except OSError:
         pass
     if status == 0 and runtime:
-        _tell_server(HOOK_FOLLOWS)   # before the answer: the server forks the hook's spare once this child ends
+        reports.tell(reports.HOOK_FOLLOWS)   # before the answer: the hook's spare is forked once this child ends
         return _answer(conn, f"runtime {runtime}", code=0)
     return _answer(conn, f"rc {status & 0xFF or 1}", code=0)
-
-
-REPORT_TO: socket.socket | None = None   # the server's: where a request reports what it wrote
-# On REPORT_TO from a served runtime create: its container's prestart hook asks next, within
-# tens of milliseconds (runc's create), sooner than the server would fork a spare on its own.
-# One byte: the page reports are whole 16-byte ranges (apply/prewarm.py), so never this.
-HOOK_FOLLOWS = b"h"
-
-
-def _tell_server(message: bytes) -> None:
-    """Best effort: a lost message only costs the next request its spare."""
-    if REPORT_TO is not None:
-        try:
-            REPORT_TO.send(message)
-        except OSError:
-            pass
-
-
-def _report_pages() -> None:
-    """After the client has its answer: tell the server which pages this request wrote, if it
-    was asked to (:mod:`..apply.prewarm`). Best effort: a lost report only delays learning."""
-    from ..apply import prewarm
-
-    if prewarm.REPORT:
-        _tell_server(prewarm.written_ranges())
 
 
 def become_request_child() -> None:

@@ -24,7 +24,7 @@ What keeps it from being a new way in:
   itself and hands the server a copy so the hang-up watch above still holds. It serves one request only, like
   any child; the time it saves is the copy-on-write faults a fresh child would take on the way.
   It warms only the pages requests were seen to write: now and then a request child reports
-  them on a datagram socket only this process and its children hold (:func:`_learn`); and it
+  them on a datagram socket only this process and its children hold (:mod:`.reports`); and it
   warms up under ``SCHED_IDLE``, lifted the moment a client comes (:mod:`.background`), so that
   its warm-up never takes a CPU from the container the last request was for;
 * this process stays single-threaded, takes nothing from the client's environment but the two
@@ -47,10 +47,9 @@ from .. import log
 from ..errors import NvcError
 from ..leases.grant import rehearse
 from ..leases.store import path_in
-from . import background
+from . import background, reports
 from .leasewatch import LeaseWatch
 from .listen import adopt, listen
-from . import request
 from .request import become_request_child, handle
 
 MAX_CHILDREN = 256
@@ -220,9 +219,9 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool, leases: Leas
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     children: dict[int, _Request] = {}   # by pidfd
-    learn_r, request.REPORT_TO = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    learn_r, reports.REPORT_TO = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     learn_r.setblocking(False)
-    request.REPORT_TO.setblocking(False)
+    reports.REPORT_TO.setblocking(False)
     spare: _Spare | None = None
     spare_failures = 0
     hook_follows = False   # a served runtime create said its hook comes next
@@ -294,7 +293,7 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool, leases: Leas
                 if fd == wake_r:
                     _drain(wake_r)
                 elif fd == learn_r.fileno():
-                    hook_follows = _learn(learn_r) or hook_follows
+                    hook_follows = reports.learn(learn_r) or hook_follows
                 elif fd == sock.fileno() and polled_spare is not None:
                     polled_spare.low = False
                     background.lift(polled_spare.pid)
@@ -331,8 +330,8 @@ def _loop(sock: socket.socket, status: str, ready, use_spare: bool, leases: Leas
         os.close(wake_r)
         os.close(wake_w)
         learn_r.close()
-        request.REPORT_TO.close()
-        request.REPORT_TO = None
+        reports.REPORT_TO.close()
+        reports.REPORT_TO = None
     log.info(f"stopped by signal {stopping[0]}" if stopping else "stopped")
     return 0
 
@@ -354,38 +353,6 @@ def spare_wait(idle_since: float, now: float, hook_follows: bool) -> float:
     return idle_since + (0.0 if hook_follows else SPARE_DELAY) - now
 
 
-def _learn(learn_r: socket.socket) -> bool:
-    """A request child's message: the pages it wrote, what the next spares warm (see
-    :mod:`..apply.prewarm`), or that a hook follows (True). A malformed one is ignored."""
-    from ..apply import prewarm
-
-    try:
-        data = learn_r.recv(prewarm.MAX_REPORT + 1)
-        if data == request.HOOK_FOLLOWS:
-            log.info("a runtime create was served: its hook's spare is forked at once")
-            return True
-        ranges = prewarm.unpack(data)
-    except (BlockingIOError, InterruptedError, ValueError):
-        return False
-    prewarm.LEARNED = data
-    log.info(f"spares warm {sum(end - start for start, end in ranges) >> 10} KiB from now on, "
-             f"in {len(ranges)} ranges a request wrote")
-    return False
-
-
-_forks = 0   # spares and request children forked so far (see _will_report)
-
-
-def _will_report() -> None:
-    """Before a fork: whether that child reports the pages it writes (the first ones, until one
-    did, then one in prewarm.REPORT_EVERY)."""
-    from ..apply import prewarm
-
-    global _forks
-    _forks += 1
-    prewarm.REPORT = prewarm.LEARNED is None or _forks % prewarm.REPORT_EVERY == 0
-
-
 def _accept(sock: socket.socket, children: dict) -> None:
     try:
         conn, _ = sock.accept()
@@ -396,7 +363,7 @@ def _accept(sock: socket.socket, children: dict) -> None:
             log.warning(f"accept: {exc.strerror}")
             return
         raise
-    _will_report()
+    reports.will_report()
     try:
         pid = os.fork()
     except OSError as exc:
@@ -415,7 +382,7 @@ def _accept(sock: socket.socket, children: dict) -> None:
 
 def _fork_spare(sock: socket.socket) -> _Spare | None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    _will_report()
+    reports.will_report()
     try:
         pid = os.fork()
     except OSError as exc:
