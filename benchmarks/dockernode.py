@@ -257,41 +257,61 @@ CRI_HANDLER = """[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{name}
 """
 
 
-# The kubelet's part, timed (benchmarks.cri, and the real-GPU check's engines step): argv[1] socket,
-# argv[2] logs, argv[3] rounds, argv[4] {arm: [handler, env]}; prints "T <arm> <round> <us> <rc>".
-CRI_LOOP = r"""
+# The rounds of a timed client program, in Python (benchmarks.cri's pods, the real-GPU engines
+# step's pods and Docker containers): argv[3] rounds, argv[4] {arm: its settings}, the arms
+# rotated by one each round. The program defines start(arm, round, settings) -> (exit status,
+# what to do after the clock stops, or None), ERRORS (what a failed start raises) and
+# why(exc) (its one line). Prints "T <arm> <round> <us> <rc>", and "E <arm> <why>" on a failure.
+ROUND_ROBIN = r"""
 import time
 rounds, arms = int(sys.argv[3]), json.loads(sys.argv[4])
 names = list(arms)
 for r in range(rounds):
     for k in range(len(names)):
         arm = names[(k + r) % len(names)]
-        handler, env = arms[arm]
-        pod = msg(1, msg(1, f"p-{arm}-{r}"), msg(2, f"u-{arm}-{r}"), msg(3, "default")) + msg(3, logs) \
-            + msg(8, msg(2, msg(1, num(1, 2))))
         t0 = time.perf_counter()
-        rc = -1
+        rc, after = -1, None
         try:
-            sandbox = call("RunPodSandbox", msg(1, pod) + msg(2, handler))[1][0].decode()
-            config = msg(1, msg(1, "c")) + msg(2, msg(1, IMAGE)) + msg(3, "/bin/true") \
-                + b"".join(msg(6, msg(1, a), msg(2, b)) for a, b in (e.split("=", 1) for e in env)) \
-                + msg(11, f"{arm}-{r}.log")
-            container = call("CreateContainer", msg(1, sandbox) + msg(2, config) + msg(3, pod))[1][0].decode()
-            call("StartContainer", msg(1, container))
-            while True:
-                status = fields(call("ContainerStatus", msg(1, container))[1][0])
-                if status.get(3, [0])[0] == 2:
-                    break
-                time.sleep(0.002)
-            rc = status.get(7, [0])[0]
+            rc, after = start(arm, r, arms[arm])
             us = int((time.perf_counter() - t0) * 1e6)
-            call("StopPodSandbox", msg(1, sandbox))
-            call("RemovePodSandbox", msg(1, sandbox))
-        except grpc.RpcError as exc:
+            if after:
+                after()
+        except ERRORS as exc:
             us = int((time.perf_counter() - t0) * 1e6)
-            print(f"E {arm} {exc.code()}: {exc.details()}"[:600], flush=True)
+            print(f"E {arm} {why(exc)}"[:600], flush=True)
         print(f"T {arm} {r} {us} {rc}", flush=True)
 """
+
+# The kubelet's part, timed (benchmarks.cri, and the real-GPU check's engines step): argv[1] socket,
+# argv[2] logs, then ROUND_ROBIN's, each arm's settings [handler, env]: a pod from RunPodSandbox
+# to its container's exit, the sandbox's removal after the clock.
+CRI_LOOP = r"""
+ERRORS = grpc.RpcError
+
+def why(exc):
+    return f"{exc.code()}: {exc.details()}"
+
+def start(arm, r, settings):
+    handler, env = settings
+    pod = msg(1, msg(1, f"p-{arm}-{r}"), msg(2, f"u-{arm}-{r}"), msg(3, "default")) + msg(3, logs) \
+        + msg(8, msg(2, msg(1, num(1, 2))))
+    sandbox = call("RunPodSandbox", msg(1, pod) + msg(2, handler))[1][0].decode()
+    config = msg(1, msg(1, "c")) + msg(2, msg(1, IMAGE)) + msg(3, "/bin/true") \
+        + b"".join(msg(6, msg(1, a), msg(2, b)) for a, b in (e.split("=", 1) for e in env)) \
+        + msg(11, f"{arm}-{r}.log")
+    container = call("CreateContainer", msg(1, sandbox) + msg(2, config) + msg(3, pod))[1][0].decode()
+    call("StartContainer", msg(1, container))
+    while True:
+        status = fields(call("ContainerStatus", msg(1, container))[1][0])
+        if status.get(3, [0])[0] == 2:
+            break
+        time.sleep(0.002)
+
+    def remove():
+        call("StopPodSandbox", msg(1, sandbox))
+        call("RemovePodSandbox", msg(1, sandbox))
+    return status.get(7, [0])[0], remove
+""" + ROUND_ROBIN
 
 
 def cri_loop_client(image: str) -> str:

@@ -110,7 +110,7 @@ exit $rc
 
 # Docker's path, timed, through dockerd's API as `docker run --rm --network none` drives it
 # (create, start, wait, remove): argv[1] socket, argv[2] the image's rootfs tarball (imported
-# first), argv[3] rounds, argv[4] {arm: [runtime, env]}; prints "T <arm> <round> <us> <rc>".
+# first), then dockernode.ROUND_ROBIN's, each arm's settings [runtime, env].
 DOCKER_LOOP = r"""
 import http.client, json, socket, sys, time
 
@@ -135,24 +135,18 @@ def call(method, url, body=None, raw=None, ctype="application/json"):
 
 with open(sys.argv[2], "rb") as f:
     call("POST", "/images/create?fromSrc=-&repo=nvc/bench&tag=real", raw=f.read(), ctype="application/x-tar")
-rounds, arms = int(sys.argv[3]), json.loads(sys.argv[4])
-names = list(arms)
-for r in range(rounds):
-    for k in range(len(names)):
-        arm = names[(k + r) % len(names)]
-        runtime, env = arms[arm]
-        t0 = time.perf_counter()
-        rc = -1
-        try:
-            cid = call("POST", "/containers/create", {"Image": "nvc/bench:real", "Cmd": ["/bin/true"], "Env": env,
-                       "HostConfig": {"Runtime": runtime, "NetworkMode": "none"}})["Id"]
-            call("POST", f"/containers/{cid}/start")
-            rc = call("POST", f"/containers/{cid}/wait")["StatusCode"]
-            call("DELETE", f"/containers/{cid}?force=1")
-        except (OSError, RuntimeError, KeyError, ValueError) as exc:
-            print(f"E {arm} {exc}"[:600], flush=True)
-        print(f"T {arm} {r} {int((time.perf_counter() - t0) * 1e6)} {rc}", flush=True)
-"""
+ERRORS = (OSError, RuntimeError, KeyError, ValueError)
+why = str
+
+def start(arm, r, settings):
+    runtime, env = settings
+    cid = call("POST", "/containers/create", {"Image": "nvc/bench:real", "Cmd": ["/bin/true"], "Env": env,
+               "HostConfig": {"Runtime": runtime, "NetworkMode": "none"}})["Id"]
+    call("POST", f"/containers/{cid}/start")
+    rc = call("POST", f"/containers/{cid}/wait")["StatusCode"]
+    call("DELETE", f"/containers/{cid}?force=1")   # on the clock: `docker run --rm` waits for it
+    return rc, None
+""" + dockernode.ROUND_ROBIN
 
 # Docker's path, timed: "T <arm> <round> <us> <rc>" per `ctr run --rm`, arms rotated each round.
 CTR_LOOP = r"""
@@ -168,18 +162,6 @@ for ((r = 0; r < rounds; r++)); do
     done
 done
 """
-
-
-def _bench_rootfs(node, dest: Path) -> Path:
-    """busybox and the image's library directories: the timed containers' image."""
-    for d in ("bin", "usr/bin", "lib64", "lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu", "etc", "proc", "sys",
-              "dev", "tmp"):
-        (dest / d).mkdir(parents=True, exist_ok=True)
-    shutil.copy2(node.tools / "busybox", dest / "bin" / "busybox")
-    for applet in ("sh", "true", "sleep", "ls", "grep"):
-        os.symlink("busybox", dest / "bin" / applet)
-    (dest / "etc" / "ld.so.conf").write_text("/lib/x86_64-linux-gnu\n/usr/lib/x86_64-linux-gnu\n")
-    return dest
 
 
 def _place(source: Path, name: str, bin_: Path) -> bool:
@@ -212,7 +194,8 @@ DEBUG = os.environ.get("NVC_ENGINES_DEBUG") == "1"   # our runtime's, hook's and
 
 def _fronts(node, base: Path) -> dict[str, str]:
     """Each runtime's binary: ours (the front asking the world's server, its hook the native
-    client), NVIDIA's (its configuration under XDG_CONFIG_HOME, its hook told the same file)."""
+    client), NVIDIA's (its configuration under XDG_CONFIG_HOME, its hook told the same file);
+    and how ours was linked ("static" or "dynamic")."""
     from nvcontainer.native import build
 
     ours = base / "ours"
@@ -228,9 +211,9 @@ def _fronts(node, base: Path) -> dict[str, str]:
                       "[nvidia-container-runtime-hook]\n"
                       f'path = "{node.client}"\n')
     front = ours / "nvidia-container-runtime"
-    node.report.setdefault("engines", {})["front"] = build.build_runtime(str(front), str(node.python), str(config))
+    linked = build.build_runtime(str(front), str(node.python), str(config))
     musl = shutil.which("musl-gcc", path="/usr/local/bin:/usr/bin:/bin")
-    node.say(f"our runtime front: linked {node.report['engines']['front']}{' with musl' if musl else ''}")
+    node.say(f"our runtime front: linked {linked}{' with musl' if musl else ''}")
     theirs = base / "xdg" / "nvidia-container-runtime" / "config.toml"
     theirs.parent.mkdir(parents=True)
     nvidia.write_config(theirs, node.work / "nvidia-container-cli", f"{node.anchors}/lib:{node.tools}/lib",
@@ -238,7 +221,7 @@ def _fronts(node, base: Path) -> dict[str, str]:
     hook = _extra(base / "nvidia-hook", node.anchors / "bin" / "nvidia-container-runtime-hook", f"-config={theirs}")
     with open(theirs, "a") as f:
         f.write(f'runtimes = ["{base}/bin/runc"]\n[nvidia-container-runtime-hook]\npath = "{hook}"\n')
-    return {"ours": str(front), "nvidia": str(node.anchors / "bin" / "nvidia-container-runtime")}
+    return {"ours": str(front), "nvidia": str(node.anchors / "bin" / "nvidia-container-runtime"), "linked": linked}
 
 
 def _extra(dest: Path, real: Path, extra: str) -> Path:
@@ -298,7 +281,7 @@ def engines(node, template: Path, runs: int) -> None:
     from tests.fixtures.containerd import image_tar
 
     fronts = _fronts(node, base)
-    bench = _bench_rootfs(node, base / "bench-rootfs")
+    bench = node.busybox_root(base / "bench-rootfs", ("usr/lib/x86_64-linux-gnu",))   # the timed containers' image
     image_tar(bench, base / "bench.tar", BENCH, ("/bin/true",))
     image_tar(bench, base / "pause.tar", PAUSE, ("/bin/sleep", "3600"))
     image_tar(template, base / "check.tar", CHECK)
@@ -353,7 +336,7 @@ def engines(node, template: Path, runs: int) -> None:
                  "bash", "-c", WORLD, "bash", str(base), str(node.python), str(node.tools / "lib"),
                  f"--debug {base}/debug/serve.log" if DEBUG else ""],
                 timeout=60 * 20, env={"PATH": HOOK_ENV[0][5:], "HOME": str(base)})
-    out: dict = {**node.report.get("engines", {}), "world": {k: v for k, v in result.items() if k != "stdout"}}
+    out: dict = {"front": fronts["linked"], "world": {k: v for k, v in result.items() if k != "stdout"}}
     if result["rc"] != 0:
         node.block("the engines' world", result)
     for name in ("containerd.log", "serve.err", "dockerd.log"):

@@ -142,18 +142,23 @@ class Node:
 
     # --- a rootfs that can run nvidia-smi and a CUDA program --------------------------------
 
+    def busybox_root(self, dest: Path, extra_dirs: tuple[str, ...] = ()) -> Path:
+        """A root of busybox and its applets, the image's library directories and an
+        ``ld.so.conf`` naming them: every image the check makes starts from it."""
+        for d in ("bin", "usr/bin", "lib64", "lib/x86_64-linux-gnu", *extra_dirs, "etc", "proc", "sys", "dev", "tmp"):
+            (dest / d).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(self.tools / "busybox", dest / "bin" / "busybox")
+        for applet in ("sh", "ls", "cat", "true", "sleep", "mount", "grep", "find", "head"):
+            os.symlink("busybox", dest / "bin" / applet)
+        (dest / "etc" / "ld.so.conf").write_text("/lib/x86_64-linux-gnu\n/usr/lib/x86_64-linux-gnu\n")
+        return dest
+
     def build_rootfs(self) -> Path:
         """busybox, the node's C and C++ runtime libraries (what the image would bring) and a
         CUDA program built here with nvcc (CUDA's runtime linked in statically, as nvcc does by
         default): the driver's libraries and nvidia-smi come from the configure step."""
         self.say("\n== container image")
-        rootfs = self.work / "image"
-        for d in ("bin", "usr/bin", "lib64", "lib/x86_64-linux-gnu", "etc", "proc", "sys", "dev", "tmp"):
-            (rootfs / d).mkdir(parents=True, exist_ok=True)
-        shutil.copy2(self.tools / "busybox", rootfs / "bin" / "busybox")
-        for applet in ("sh", "ls", "cat", "true", "sleep", "mount", "grep", "find", "head"):
-            os.symlink("busybox", rootfs / "bin" / applet)
-        (rootfs / "etc" / "ld.so.conf").write_text("/lib/x86_64-linux-gnu\n/usr/lib/x86_64-linux-gnu\n")
+        rootfs = self.busybox_root(self.work / "image")
         nvcc = shutil.which("nvcc") or next((str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/nvcc"))), None)
         cuda = None
         if nvcc:
