@@ -419,6 +419,19 @@ def test_write_back_keeps_mode_and_owner_and_leaves_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["config.json"]
 
 
+def test_write_back_does_not_wait_for_the_disk(tmp_path, monkeypatch):
+    """The edit is renamed into place without an fsync: no engine reads a bundle after a crash,
+    and a flush would make the container's start wait for the filesystem's journal."""
+    path = tmp_path / "config.json"
+    path.write_bytes(b"{}")
+    _, st = bundle.read(str(path))
+    flushed = []
+    monkeypatch.setattr(os, "fsync", lambda fd: flushed.append(fd))
+    monkeypatch.setattr(os, "fdatasync", lambda fd: flushed.append(fd))
+    bundle.write_back(str(path), b'{"a":1}', st)
+    assert path.read_bytes() == b'{"a":1}' and flushed == []
+
+
 def test_write_back_failure_leaves_the_file(tmp_path):
     """The rename fails (a directory is in the file's place): the new file is removed again."""
     path = tmp_path / "config.json"

@@ -33,6 +33,12 @@ int main(int argc, char **argv) {
         printf("socket %ld %s\n", r, strerror(errno));
         return 0;
     }
+    if (!strcmp(mode, "fsync")) {   /* fd -1: a flush that were made would fail with EBADF */
+        errno = 0;
+        int a = fsync(-1), b = fdatasync(-1);
+        printf("fsync %d fdatasync %d %s\n", a, b, strerror(errno));
+        return 0;
+    }
     if (!strcmp(mode, "x32")) { syscall(0x40000000 | SYS_getpid); printf("x32 survived\n"); return 0; }
     if (!strcmp(mode, "i386")) {
         long r;
@@ -74,17 +80,21 @@ def filtered(probe, mode: str) -> subprocess.CompletedProcess:
 def test_tables_match_libseccomp(machine, arch):
     """Every number we allow is libseccomp's number for that name on that architecture."""
     lib = pytest.importorskip("pyseccomp")
-    for name, number in seccomp.allowed(machine).items():
+    for name, number in {**seccomp.allowed(machine), **seccomp.unflushed(machine)}.items():
         assert lib.resolve_syscall(getattr(lib.Arch, arch), name) == number, (machine, name)
 
 
 def test_program_shape():
-    """Architecture check first, the x32 guard on x86-64, one comparison per allowed call,
-    EPERM by default; jumps stay inside the program."""
+    """Architecture check first, the x32 guard on x86-64, a comparison and a success for each
+    flush, one comparison per allowed call, EPERM by default; jumps stay inside the program."""
     program = seccomp.build("x86_64")
     assert len(program) % 8 == 0
     insns = [program[i:i + 8] for i in range(0, len(program), 8)]
-    assert len(insns) == 4 + 2 + len(set(seccomp.allowed("x86_64").values())) + 2
+    flushes = seccomp.unflushed("x86_64")
+    assert not set(flushes) & set(seccomp.allowed("x86_64"))
+    assert len(insns) == 4 + 2 + 2 * len(flushes) + len(set(seccomp.allowed("x86_64").values())) + 2
+    answers = [int.from_bytes(insn[4:], "little") for insn in insns[6:6 + 2 * len(flushes)]]
+    assert sorted(answers[0::2]) == sorted(flushes.values()) and set(answers[1::2]) == {seccomp.RET_ERRNO}
     assert int.from_bytes(insns[-2][4:], "little") == seccomp.RET_ERRNO | seccomp.EPERM
     assert int.from_bytes(insns[-1][4:], "little") == seccomp.RET_ALLOW
     for i, insn in enumerate(insns):
@@ -108,6 +118,13 @@ def test_other_calls_fail_with_eperm(probe, mode, expect):
     """As root, with every capability: the filter, not a permission check, refuses."""
     res = filtered(probe, mode)
     assert res.returncode == 0 and res.stdout.strip() == expect, res
+
+
+def test_flushes_succeed_without_being_made(probe):
+    """ldconfig's fsync of the cache it writes returns 0 and waits for no disk: on fd -1 a
+    flush that reached the kernel would fail with EBADF."""
+    res = filtered(probe, "fsync")
+    assert res.returncode == 0 and res.stdout.strip() == "fsync 0 fdatasync 0 Success", res
 
 
 @pytest.mark.parametrize("mode", ["x32", "i386"])

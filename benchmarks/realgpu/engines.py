@@ -54,9 +54,11 @@ int main(int argc, char **argv) {
 }
 """
 
+# The state (bundles, the shims' sockets) on the world's fresh /run, a tmpfs, as containerd
+# keeps it on a node (/run/containerd); the images and snapshots on the disk, as /var/lib does.
 CONFIG = """version = 2
 root = "{base}/root"
-state = "{base}/state"
+state = "/run/containerd"
 
 [grpc]
   address = "{base}/c.sock"

@@ -7,7 +7,8 @@ rename puts it in place; the directory is held by an fd, so both ends of the ren
 same place even if its path changes meanwhile; and a step that fails removes the new file, so
 the old one stays as it was and nothing is left behind (a writer killed outright leaves a
 hidden ``*.tmp``, which the inventory cache's pruning sweeps). ``sync=False`` for files on a
-tmpfs that end with the boot (the leases, the cache), where a flush is only a cost.
+tmpfs that end with the boot (the leases, the cache), or that no one reads after a crash (a
+bundle's spec: ``runtime/bundle.py``), where a flush is only a cost.
 """
 
 from __future__ import annotations
