@@ -104,28 +104,21 @@ def main(argv: list[str] | None = None) -> int:
         res = subprocess.run(outer, capture_output=True, text=True, timeout=3600,
                              env={"PATH": workspace.SERVER_ENV["PATH"], "HOME": str(base)})
         samples, errors = dockernode.samples_of(res.stdout, arms)
-        timed = {arm: [ms for r, ms, rc in s if r > 0 and rc == 0] for arm, s in samples.items()}
-        if any(len(s) != args.runs for s in timed.values()):
+        j = dockernode.judged(samples)
+        timed, over = j["timed"], j["over"]
+        if any(j["failed"].values()) or any(len(s) != args.runs for s in timed.values()):
             sys.stderr.write(f"benchmarks.cri: failed pods\n{chr(10).join(errors[-10:])}\n{res.stderr[-2000:]}\n"
                              f"{cri.log(base)[-1500:]}\n")
             return 1
-        over = {arm: stats.paired_median(s, timed["runc"]) for arm, s in timed.items() if arm != "runc"}
-        ratio = over["served"] / over["nvidia"] if "nvidia" in over and over["nvidia"] > 0 else None
+        ratio = dockernode.ratio_to_nvidia(over)
         load_end = os.getloadavg()
         lines = [f"containerd CRI pod (RunPodSandbox .. exit of /bin/true), {args.runs} per arm after the first, "
-                 f"alternating; load {load_start[0]:.1f} -> {load_end[0]:.1f}; {about}",
-                 f"{'arm':<14}{'median':>9}{'p95':>9}{'min':>9}{'over runc':>11}"]
-        for arm, s in timed.items():
-            m = stats.summary(s)
-            o = over.get(arm)
-            lines.append(f"{arm:<14}{m['median']:9.1f}{m['p95']:9.1f}{m['min']:9.1f}{'' if o is None else f'{o:+11.1f}'}")
+                 f"alternating; load {load_start[0]:.1f} -> {load_end[0]:.1f}; {about}", *dockernode.table(j)]
         if ratio is not None:
-            lines.append(f"served overhead / NVIDIA's: {ratio:.2f}x (target <= {dockernode.RATIO_TARGET}x: "
-                         f"{'met' if ratio <= dockernode.RATIO_TARGET else 'NOT MET'})")
+            lines.append(dockernode.verdict("served overhead / NVIDIA's", ratio, dockernode.RATIO_TARGET, "x"))
         nogpu = stats.paired_median(timed["shim-nogpu"], timed["runc-named"])
-        lines.append(f"no GPU through the handler over runc: {over['shim-nogpu']:+.1f} ms; over runc as a named "
-                     f"handler: {nogpu:+.1f} ms (target <= {dockernode.NOGPU_TARGET_MS} ms: "
-                     f"{'met' if nogpu <= dockernode.NOGPU_TARGET_MS else 'NOT MET'})")
+        lines.append(f"no GPU through the handler over runc: {over['shim-nogpu']:+.1f} ms; "
+                     + dockernode.verdict("over runc as a named handler", nogpu, dockernode.NOGPU_TARGET_MS, " ms"))
         sys.stdout.write("\n".join(lines) + "\n")
         workspace.save(args.out, "cri", {"runs": args.runs, "nvidia_arm": about, "over_runc_ms": over,
                                          "ratio_to_nvidia": ratio, "loadavg": [load_start, load_end],

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from tests.fixtures import dockerd
 
-from . import nvidia, stats, workspace
+from . import dockernode, nvidia, stats, workspace
 from .dockernode import NOGPU_TARGET_MS, RATIO_TARGET, RESULTS, run_world, setup
 
 
@@ -76,15 +76,14 @@ def main(argv: list[str] | None = None) -> int:
             args.out = args.debug
         samples, errors = run_world(base, ws, machine, daemon, etc, arms, args.runs + 1)
         load_end = os.getloadavg()
-        first = {arm: next(((ms, rc) for r, ms, rc in s if r == 0), None) for arm, s in samples.items()}
-        failed = {arm: sum(1 for _, _, rc in s if rc) for arm, s in samples.items()}
-        timed = {arm: [ms for r, ms, _ in s if r > 0] for arm, s in samples.items()}
-        if any(failed.values()) or any(len(s) != args.runs for s in timed.values()):
-            sys.stderr.write(f"benchmarks.docker: failed runs {failed}\n{errors}\n{dockerd.log(base)[-1500:]}\n")
+        j = dockernode.judged(samples)
+        first, timed, over = j["first"], j["timed"], j["over"]
+        if (any(j["failed"].values()) or any(f is None or f[1] for f in first.values())
+                or any(len(s) != args.runs for s in timed.values())):
+            sys.stderr.write(f"benchmarks.docker: failed runs {j['failed']}, first runs {first}\n{errors}\n"
+                             f"{dockerd.log(base)[-1500:]}\n")
             return 1
-        over = {arm: stats.paired_median(s, timed["runc"]) for arm, s in timed.items() if arm != "runc"}
-        ratio = {arm: (over[arm] / over["nvidia"] if "nvidia" in over and over["nvidia"] > 0 else None)
-                 for arm in ("served", "inprocess")}
+        ratio = {arm: dockernode.ratio_to_nvidia(over, arm) for arm in ("served", "inprocess")}
         record = {
             "machine": {"cpu": platform.processor() or "?", "cpus": os.cpu_count(), "kernel": platform.release(),
                         "python": sys.version.split()[0], "docker": _version(["dockerd", "--version"]),
@@ -98,18 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         }
         lines = [f"docker run --rm busybox true, {args.runs} runs per arm after the first, alternating; "
                  f"load {load_start[0]:.1f} -> {load_end[0]:.1f}; {about}",
-                 f"{'arm':<14}{'first':>9}{'median':>9}{'p95':>9}{'min':>9}{'max':>9}{'over runc':>11}"]
-        for arm, s in timed.items():
-            m = stats.summary(s)
-            o = over.get(arm)
-            lines.append(f"{arm:<14}{first[arm][0]:9.1f}{m['median']:9.1f}{m['p95']:9.1f}{m['min']:9.1f}"
-                         f"{m['max']:9.1f}{'' if o is None else f'{o:+11.1f}'}")
-        verdicts = [(f"{arm} overhead / NVIDIA's", f"{ratio[arm]:.2f}x", ratio[arm], RATIO_TARGET, "x")
-                    for arm in ("served", "inprocess") if ratio[arm] is not None]
-        verdicts.append(("no GPU through the shim over runc", f"{over['shim-nogpu']:+.1f} ms", over["shim-nogpu"],
-                         NOGPU_TARGET_MS, " ms"))
-        lines += [f"{what}: {shown} (target <= {limit}{unit}: {'met' if value <= limit else 'NOT MET'})"
-                  for what, shown, value, limit, unit in verdicts]
+                 *dockernode.table(j, ("median", "p95", "min", "max"), first=True)]
+        lines += [dockernode.verdict(f"{arm} overhead / NVIDIA's", ratio[arm], RATIO_TARGET, "x")
+                  for arm in ("served", "inprocess") if ratio[arm] is not None]
+        lines.append(dockernode.verdict("no GPU through the shim over runc", over["shim-nogpu"], NOGPU_TARGET_MS,
+                                        " ms"))
         sys.stdout.write("\n".join(lines) + "\n")
         workspace.save(args.out, "docker", record)
         return 0

@@ -2,7 +2,9 @@
 (``benchmarks.cri``) and trace (``benchmarks.dockertrace``) benchmarks, which never import each
 other: a private dockerd with every runtime arm registered (ours served and in-process, NVIDIA's
 from the anchors), each GPU hook behind the program that makes ``/proc/driver/nvidia`` in the
-container, and one round-robin world of ``docker run`` per arm. The targets are issue 27's."""
+container, and one round-robin world of ``docker run`` per arm; and how every benchmark of the
+engines' path (these two, and the real-GPU check's engines step) judges the samples of its
+rounds: :func:`judged`, :func:`table`, :func:`verdict`. The targets are issue 27's (and 33's)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from nvcontainer.native import build as native
 from tests.fixtures import dockerd
 from tests.fixtures.fakegpu.runner import fake_proc_command
 
-from . import nvidia, workspace
+from . import nvidia, stats, workspace
 
 
 RESULTS = workspace.REPO / "benchmarks" / "results"
@@ -245,6 +247,56 @@ def samples_of(stdout: str, arms) -> tuple[dict[str, list[tuple[int, float, int]
         elif line.strip():
             errors.append(line)
     return samples, errors
+
+
+def judged(samples: dict[str, list[tuple[int, float, int]]], baseline: str = "runc") -> dict:
+    """How a round-robin world's samples (:func:`samples_of`) are judged, in every benchmark
+    of the engines' path (``benchmarks.docker``, ``benchmarks.cri``, the real-GPU engines step):
+    round 0 is each arm's first start, apart; the later rounds that exited 0 are the timed ones,
+    cut to the count every arm that ran has, so the pairs stay rounds; each arm's overhead is
+    its paired median over ``baseline``. Keys: first ((ms, rc) or None), failed (later rounds
+    that did not exit 0), timed, n, over."""
+    first = {arm: next(((ms, rc) for r, ms, rc in s if r == 0), None) for arm, s in samples.items()}
+    failed = {arm: sum(1 for r, _, rc in s if r > 0 and rc != 0) for arm, s in samples.items()}
+    timed = {arm: [ms for r, ms, rc in s if r > 0 and rc == 0] for arm, s in samples.items()}
+    n = min((len(s) for s in timed.values() if s), default=0)   # arms that all failed are reported apart
+    timed = {arm: s[:n] for arm, s in timed.items()}
+    over = {arm: stats.paired_median(s, timed.get(baseline, [])) for arm, s in timed.items() if arm != baseline}
+    return {"first": first, "failed": failed, "timed": timed, "n": n, "over": over}
+
+
+def ratio_to_nvidia(over: dict, arm: str = "served") -> float | None:
+    """``arm``'s overhead over NVIDIA's, or None without both (or with NVIDIA's not above 0)."""
+    ours, theirs = over.get(arm), over.get("nvidia")
+    return ours / theirs if ours is not None and theirs is not None and theirs > 0 else None
+
+
+def verdict(what: str, value: float, limit: float, unit: str) -> str:
+    """One target's line: a ratio (``unit`` "x") or milliseconds."""
+    shown = f"{value:.2f}x" if unit == "x" else f"{value:+.1f} ms"
+    return f"{what}: {shown} (target <= {limit}{unit}: {'met' if value <= limit else 'NOT MET'})"
+
+
+def table(judging: dict, columns: tuple[str, ...] = ("median", "p95", "min"), *, first: bool = False,
+          failed: bool = False) -> list[str]:
+    """The arms' lines of :func:`judged`'s figures, ms: the first start where asked, the timed
+    rounds' ``columns``, the paired overhead over runc, the failed rounds where asked; an arm
+    whose rounds all failed says so."""
+    head = (f"{'arm':<14}" + (f"{'first':>9}" if first else "") + "".join(f"{c:>9}" for c in columns)
+            + f"{'over runc':>11}")
+    lines = [head + ("  failed" if failed else "")]
+    for arm, s in judging["timed"].items():
+        tail = f"  {judging['failed'][arm]}" if failed else ""
+        if not s:
+            lines.append(f"{arm:<14}{'all failed':>{9 * (len(columns) + first)}}{'':>11}{tail}")
+            continue
+        m = stats.summary(s)
+        o = judging["over"].get(arm)
+        start = judging["first"].get(arm)
+        lines.append(f"{arm:<14}" + (f"{start[0] if start else float('nan'):9.1f}" if first else "")
+                     + "".join(f"{m.get(c, 0):9.1f}" for c in columns) + ("" if o is None else f"{o:+11.1f}")
+                     + (("" if o is not None else f"{'':>11}") + tail if failed else ""))
+    return lines
 
 
 # A containerd CRI runtime handler executing the runtime at {path} (the runc v2 shim's BinaryName),

@@ -240,35 +240,25 @@ def _extra(dest: Path, real: Path, extra: str) -> Path:
 
 
 def _summary(node, title: str, stdout: str, arms: dict, control: str) -> dict:
+    """One loop's figures (:func:`dockernode.judged`), said and returned; a failed round is
+    counted and left out, so one bad round does not lose the run."""
     samples, errors = dockernode.samples_of(stdout, arms)
-    timed = {arm: [ms for r, ms, rc in s if r > 0 and rc == 0] for arm, s in samples.items()}
-    failed = {arm: sum(1 for r, _, rc in s if r > 0 and rc != 0) for arm, s in samples.items()}
-    n = min((len(s) for s in timed.values() if s), default=0)   # arms that all failed are reported apart
-    timed = {arm: s[:n] for arm, s in timed.items()}
-    over = {arm: stats.paired_median(s, timed["runc"]) for arm, s in timed.items() if arm != "runc"}
-    node.say(f"\n{title}\n{'arm':<14}{'median':>9}{'p95':>9}{'min':>9}{'over runc':>11}  failed")
-    for arm, s in timed.items():
-        if not s:
-            node.say(f"{arm:<14}{'all failed':>27}{'':>11}  {failed[arm]}")
-            continue
-        m = stats.summary(s)
-        o = over.get(arm)
-        node.say(f"{arm:<14}{m.get('median', 0):9.1f}{m.get('p95', 0):9.1f}{m.get('min', 0):9.1f}"
-                 f"{'' if o is None else f'{o:+11.1f}'}  {failed[arm]}")
-    ratio = (over["served"] / over["nvidia"] if over.get("served") is not None and over.get("nvidia")
-             and over["nvidia"] > 0 else None)
-    nogpu = stats.paired_median(timed.get("shim-nogpu", []), timed.get(control, []))
+    j = dockernode.judged(samples)
+    node.say(f"\n{title}")
+    for line in dockernode.table(j, failed=True):
+        node.say(line)
+    ratio = dockernode.ratio_to_nvidia(j["over"])
+    nogpu = stats.paired_median(j["timed"].get("shim-nogpu", []), j["timed"].get(control, []))
     if ratio is not None:
-        node.say(f"-> served overhead / NVIDIA's: {ratio:.2f}x (target <= {dockernode.RATIO_TARGET}x: "
-                 f"{'met' if ratio <= dockernode.RATIO_TARGET else 'NOT MET'})")
+        node.say("-> " + dockernode.verdict("served overhead / NVIDIA's", ratio, dockernode.RATIO_TARGET, "x"))
     if nogpu is not None:
-        node.say(f"-> no GPU through our runtime over {control}: {nogpu:+.1f} ms (target <= "
-                 f"{dockernode.NOGPU_TARGET_MS} ms: {'met' if nogpu <= dockernode.NOGPU_TARGET_MS else 'NOT MET'})")
+        node.say("-> " + dockernode.verdict(f"no GPU through our runtime over {control}", nogpu,
+                                            dockernode.NOGPU_TARGET_MS, " ms"))
     for line in errors[-5:]:
         node.say(f"!! {line[:400]}")
-    return {"n": n, "over_runc_ms": over, "ratio_to_nvidia": ratio, "nogpu_over_control_ms": nogpu,
-            "failed": failed, "errors": errors[-10:],
-            "arms": {arm: {"summary": stats.summary(s), "ms": s} for arm, s in timed.items()}}
+    return {"n": j["n"], "over_runc_ms": j["over"], "ratio_to_nvidia": ratio, "nogpu_over_control_ms": nogpu,
+            "failed": j["failed"], "errors": errors[-10:],
+            "arms": {arm: {"summary": stats.summary(s), "ms": s} for arm, s in j["timed"].items()}}
 
 
 def engines(node, template: Path, runs: int) -> None:
