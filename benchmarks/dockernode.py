@@ -286,16 +286,14 @@ def table(judging: dict, columns: tuple[str, ...] = ("median", "p95", "min"), *,
             + f"{'over runc':>11}")
     lines = [head + ("  failed" if failed else "")]
     for arm, s in judging["timed"].items():
-        tail = f"  {judging['failed'][arm]}" if failed else ""
-        if not s:
-            lines.append(f"{arm:<14}{'all failed':>{9 * (len(columns) + first)}}{'':>11}{tail}")
-            continue
-        m = stats.summary(s)
-        o = judging["over"].get(arm)
-        start = judging["first"].get(arm)
-        lines.append(f"{arm:<14}" + (f"{start[0] if start else float('nan'):9.1f}" if first else "")
-                     + "".join(f"{m.get(c, 0):9.1f}" for c in columns) + ("" if o is None else f"{o:+11.1f}")
-                     + (("" if o is not None else f"{'':>11}") + tail if failed else ""))
+        if s:
+            m, o, start = stats.summary(s), judging["over"].get(arm), judging["first"].get(arm)
+            cells = ((f"{start[0] if start else float('nan'):9.1f}" if first else "")
+                     + "".join(f"{m[c]:9.1f}" for c in columns) + ("" if o is None else f"{o:+11.1f}"))
+        else:
+            cells = f"{'all failed':>{9 * (len(columns) + first)}}"
+        line = f"{arm:<14}{cells}"
+        lines.append(f"{line:<{len(head)}}  {judging['failed'][arm]}" if failed else line)
     return lines
 
 
