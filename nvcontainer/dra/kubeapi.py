@@ -243,7 +243,12 @@ class KubeApi:
     def _call(self, what: str, deadline: float, method: str, res, *, obj=None, name=None, namespace=None,
               params=None) -> tuple[int, object]:
         """Send one request until it is answered with a final status or the deadline passes;
-        ``(status, JSON body)``."""
+        ``(status, JSON body)``.
+
+        The failure's line names the state, not the moment: a retry that the deadline cuts short
+        keeps the reason of the try before it, and a timeout is said without the seconds that
+        happened to be left. A caller that says a line once until it changes (the slice
+        publisher's loop) would otherwise say it again at every sync for one down server."""
         import httpx2
 
         pause = BACKOFF_FIRST
@@ -270,8 +275,11 @@ class KubeApi:
                     return status, self._parsed(what, status, data)
                 last = f"answered {status}"
             except httpx2.TimeoutException:
-                late = time.monotonic() >= deadline
-                last = f"no answer in {min(self.timeout, left):.3g} s" + (" (the call's deadline)" if late else "")
+                if time.monotonic() < deadline:
+                    last = f"no answer in {self.timeout:g} s"
+                elif attempts == 1:
+                    last = "no answer within the call's deadline"
+                # else: the deadline cut a retry short; the try before it says why the call failed
             except (httpx2.NetworkError, httpx2.RemoteProtocolError, OSError) as exc:
                 last = _why(exc)
             except httpx2.HTTPError as exc:      # the request itself is wrong: no retry helps
