@@ -33,7 +33,7 @@ def native_client(tmp_path_factory) -> str:
 # once. A module joins when all of its tests do; one that needs root or the machine stays out.
 FAST = frozenset({
     "test_benchmarks_dockertrace.py", "test_benchmarks_judging.py", "test_benchmarks_targets.py", "test_bounded.py",
-    "test_cli_argp.py", "test_config.py", "test_deviceplugin_core.py", "test_dra_kubeapi.py", "test_dra_opaque.py",
+    "test_cli_argp.py", "test_config.py", "test_deviceplugin_core.py", "test_dra_execplugin.py", "test_dra_kubeapi.py", "test_dra_opaque.py",
     "test_dra_prepared.py", "test_elfinfo.py", "test_ldcache.py", "test_leases_bounds.py", "test_leases_grant.py",
     "test_oci.py", "test_realgpu_engines.py", "test_records.py", "test_request.py", "test_require.py",
     "test_visible_devices.py",

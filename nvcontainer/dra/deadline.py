@@ -35,6 +35,12 @@ def until(deadline: float):
         _local.deadline = before
 
 
+def left() -> float | None:
+    """Seconds left of this thread's deadline (negative once passed), or None outside a call."""
+    deadline = getattr(_local, "deadline", None)
+    return None if deadline is None else deadline - time.monotonic()
+
+
 def _cap(timeout: float | None, error) -> float | None:
     deadline = getattr(_local, "deadline", None)
     if deadline is None:

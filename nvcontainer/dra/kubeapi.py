@@ -91,6 +91,7 @@ class KubeApi:
     def __init__(self, config, *, timeout: float = DEFAULT_TIMEOUT, field_manager: str = "nvcontainer-dra-driver"):
         import httpx2
         from lightkube import Client
+        from lightkube.config.client_adapter import ExecAuth
 
         self.timeout = timeout
         try:
@@ -100,6 +101,11 @@ class KubeApi:
             raise NvcError("kubernetes", f"client configuration: {_why(exc)}") from None
         self._generic = self._client._client       # lightkube's request builder (public methods)
         bounded.install(self._generic._client)     # every socket operation within the call's deadline
+        if isinstance(self._generic._client.auth, ExecAuth):   # it waits for the plugin for ever
+            from .execplugin import Auth
+
+            fname = getattr(self._generic.config, "fname", None)
+            self._generic._client.auth = Auth(self._generic.config.user.exec, str(fname.parent) if fname else None)
         self.server = escape(self._generic.config.cluster.server, 120)
         self.version: str | None = None
 
