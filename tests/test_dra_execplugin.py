@@ -195,3 +195,21 @@ def test_the_driver_says_a_failing_plugin_in_one_line(server, tmp_path):
     assert res.returncode == 1, res.stderr
     assert res.stderr == (f"nvcontainer: kubernetes error: kubeconfig exec plugin ./plugin.sh: exit status 1: "
                           "token expired, log in again\n")
+
+
+def test_workers_that_need_a_token_at_once_run_the_plugin_once(server, tmp_path):
+    """Eight threads' first calls at once (the DRA driver's workers after a start): one run of
+    the plugin, every call answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = str(tmp_path)
+    plugin(d, "plugin.sh", "sleep 0.3\n" + TOKEN_PLUGIN)
+    (tmp_path / "token").write_text("t-1")
+    api = client(kubeconfig(server, d, os.path.join(d, "plugin.sh")))
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            names = list(pool.map(lambda _: api.get_node(NODE)["metadata"]["name"], range(8)))
+    finally:
+        api.close()
+    assert names == [NODE] * 8
+    assert runs(d) == 1

@@ -26,6 +26,7 @@ import os
 import select
 import signal
 import subprocess
+import threading
 import time
 
 import httpx2
@@ -140,7 +141,9 @@ def run(argv: list[str], env: dict[str, str], seconds: float, name: str, late: s
 
 class Auth(httpx2.Auth):
     """The bearer token from the plugin, run within the calling thread's deadline (the one
-    :mod:`.deadline` gives every socket operation of the call), kept until refused or expired."""
+    :mod:`.deadline` gives every socket operation of the call), kept until refused or expired.
+    One run at a time: the DRA driver's workers that all need a token at once wait for one run
+    (within their own deadlines) instead of each starting the plugin."""
 
     def __init__(self, exec_, kubeconfig_dir: str | None, environ=None):
         self.exec = exec_
@@ -149,30 +152,44 @@ class Auth(httpx2.Auth):
         self.environ = os.environ if environ is None else environ
         self.token: str | None = None
         self.expiry: float | None = None
+        self.lock = threading.Lock()
 
-    def _fresh(self) -> str:
+    def _fail(self, why: str):
+        return NvcError("kubernetes", f"kubeconfig exec plugin {self.name}: {why}")
+
+    def _valid(self) -> str | None:
+        token, expiry = self.token, self.expiry
+        return token if token is not None and (expiry is None or time.time() < expiry - EARLY) else None
+
+    def _fresh(self, refused: str | None) -> str:
+        """A token other than ``refused``: one another thread got meanwhile, or the plugin's."""
         if self.exec.apiVersion not in API_VERSIONS:
-            raise NvcError("kubernetes", f"kubeconfig exec plugin {self.name}: apiVersion "
-                                         f"{escape(self.exec.apiVersion, 80)} is not one of {', '.join(API_VERSIONS)}")
+            raise self._fail(f"apiVersion {escape(self.exec.apiVersion, 80)} is not one of {', '.join(API_VERSIONS)}")
         left = bounded.left()
-        if left is not None and left <= 0:
-            raise NvcError("kubernetes", f"kubeconfig exec plugin {self.name}: the call's deadline has passed")
-        seconds, late = TIMEOUT, None
-        if left is not None and left < TIMEOUT:      # said as the state, not the seconds that were left
-            seconds, late = left, "no answer within the call's deadline"
-        output = run(self.argv, environment(self.exec, dict(self.environ)), seconds, self.name, late)
-        self.token, self.expiry = credential(output, self.name)
-        return self.token
-
-    def _valid(self) -> bool:
-        return self.token is not None and (self.expiry is None or time.time() < self.expiry - EARLY)
+        if not self.lock.acquire(timeout=-1 if left is None else max(left, 0)):
+            raise self._fail("no answer within the call's deadline")
+        try:
+            token = self._valid()
+            if token is not None and token != refused:
+                return token
+            left = bounded.left()
+            if left is not None and left <= 0:
+                raise self._fail("no answer within the call's deadline")
+            seconds, late = TIMEOUT, None
+            if left is not None and left < TIMEOUT:      # said as the state, not the seconds that were left
+                seconds, late = left, "no answer within the call's deadline"
+            output = run(self.argv, environment(self.exec, dict(self.environ)), seconds, self.name, late)
+            self.token, self.expiry = credential(output, self.name)
+            return self.token
+        finally:
+            self.lock.release()
 
     def sync_auth_flow(self, request):
-        if self._valid():
-            request.headers["Authorization"] = f"Bearer {self.token}"
+        token = self._valid()
+        if token is not None:
+            request.headers["Authorization"] = f"Bearer {token}"
             response = yield request
             if response.status_code != 401:
                 return
-            self.token = None
-        request.headers["Authorization"] = f"Bearer {self._fresh()}"
+        request.headers["Authorization"] = f"Bearer {self._fresh(token)}"
         yield request
