@@ -95,25 +95,24 @@ def test_the_plugins_token_is_used_kept_and_asked_again_on_a_401(server, tmp_pat
         api.close()
 
 
-def test_an_expired_token_is_asked_again_before_it_is_refused(server, tmp_path):
+def test_an_expired_token_is_asked_again_before_it_is_refused(server, tmp_path, monkeypatch):
     d = str(tmp_path)
     plugin(d, "plugin.sh", TOKEN_PLUGIN)
     (tmp_path / "token").write_text("t-1")
-    os.environ["EXPIRY"] = "2000-01-01T00:00:00Z"
+    monkeypatch.setenv("EXPIRY", "2000-01-01T00:00:00Z")      # the plugin inherits our environment
+    api = client(kubeconfig(server, d, os.path.join(d, "plugin.sh")))
     try:
-        api = client(kubeconfig(server, d, os.path.join(d, "plugin.sh")))
         api.get_node(NODE)
         api.get_node(NODE)
         assert runs(d) == 2
         before = len(server.requests)
-        os.environ["EXPIRY"] = "2999-01-01T00:00:00Z"
+        monkeypatch.setenv("EXPIRY", "2999-01-01T00:00:00Z")
         api.get_node(NODE)
         api.get_node(NODE)
         assert runs(d) == 3
         assert len(server.requests) - before == 2                # no 401 on the way: asked in time
-        api.close()
     finally:
-        del os.environ["EXPIRY"]
+        api.close()
 
 
 def test_the_v1_api_version_is_run(server, tmp_path):
