@@ -29,8 +29,6 @@ import subprocess
 import threading
 import time
 
-import httpx2
-
 from .. import documents
 from ..errors import NvcError, escape
 from . import deadline as bounded
@@ -139,9 +137,10 @@ def run(argv: list[str], env: dict[str, str], seconds: float, name: str, late: s
     return bytes(out)
 
 
-class Auth(httpx2.Auth):
+class Credentials:
     """The bearer token from the plugin, run within the calling thread's deadline (the one
-    :mod:`.deadline` gives every socket operation of the call), kept until refused or expired.
+    :mod:`.deadline` gives every socket operation of the call), kept until refused or expired
+    (:func:`.kubeapi.exec_auth` puts it on the HTTP client: only ``kubeapi`` talks HTTP).
     One run at a time: the DRA driver's workers that all need a token at once wait for one run
     (within their own deadlines) instead of each starting the plugin."""
 
@@ -157,11 +156,12 @@ class Auth(httpx2.Auth):
     def _fail(self, why: str):
         return NvcError("kubernetes", f"kubeconfig exec plugin {self.name}: {why}")
 
-    def _valid(self) -> str | None:
+    def current(self) -> str | None:
+        """The token kept, while it has not expired."""
         token, expiry = self.token, self.expiry
         return token if token is not None and (expiry is None or time.time() < expiry - EARLY) else None
 
-    def _fresh(self, refused: str | None) -> str:
+    def fresh(self, refused: str | None) -> str:
         """A token other than ``refused``: one another thread got meanwhile, or the plugin's."""
         if self.exec.apiVersion not in API_VERSIONS:
             raise self._fail(f"apiVersion {escape(self.exec.apiVersion, 80)} is not one of {', '.join(API_VERSIONS)}")
@@ -169,7 +169,7 @@ class Auth(httpx2.Auth):
         if not self.lock.acquire(timeout=-1 if left is None else max(left, 0)):
             raise self._fail("no answer within the call's deadline")
         try:
-            token = self._valid()
+            token = self.current()
             if token is not None and token != refused:
                 return token
             left = bounded.left()
@@ -183,13 +183,3 @@ class Auth(httpx2.Auth):
             return self.token
         finally:
             self.lock.release()
-
-    def sync_auth_flow(self, request):
-        token = self._valid()
-        if token is not None:
-            request.headers["Authorization"] = f"Bearer {token}"
-            response = yield request
-            if response.status_code != 401:
-                return
-        request.headers["Authorization"] = f"Bearer {self._fresh(token)}"
-        yield request

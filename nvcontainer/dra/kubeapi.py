@@ -102,10 +102,11 @@ class KubeApi:
         self._generic = self._client._client       # lightkube's request builder (public methods)
         bounded.install(self._generic._client)     # every socket operation within the call's deadline
         if isinstance(self._generic._client.auth, ExecAuth):   # it waits for the plugin for ever
-            from .execplugin import Auth
+            from .execplugin import Credentials
 
             fname = getattr(self._generic.config, "fname", None)
-            self._generic._client.auth = Auth(self._generic.config.user.exec, str(fname.parent) if fname else None)
+            self._generic._client.auth = exec_auth(
+                httpx2, Credentials(self._generic.config.user.exec, str(fname.parent) if fname else None))
         self.server = escape(self._generic.config.cluster.server, 120)
         self.version: str | None = None
 
@@ -294,6 +295,25 @@ class KubeApi:
             if sleep > 0:
                 time.sleep(sleep)
             pause = min(pause * 2, BACKOFF_MAX)
+
+
+def exec_auth(httpx2, credentials):
+    """An httpx ``Auth`` giving each request the exec plugin's token (:class:`.execplugin.Credentials`),
+    asking it again once when the API server answers 401. Built here, with the httpx module the
+    caller imported, because httpx is imported on first use in this module and nowhere else."""
+
+    class ExecCredentialAuth(httpx2.Auth):
+        def sync_auth_flow(self, request):
+            token = credentials.current()
+            if token is not None:
+                request.headers["Authorization"] = f"Bearer {token}"
+                response = yield request
+                if response.status_code != 401:
+                    return
+            request.headers["Authorization"] = f"Bearer {credentials.fresh(token)}"
+            yield request
+
+    return ExecCredentialAuth()
 
 
 def _named(what: str, value, pattern, field: str) -> None:
