@@ -128,6 +128,19 @@ def test_the_v1_api_version_is_run(server, tmp_path):
         api.close()
 
 
+def refused(server, d: str, body: str, seconds: float) -> tuple[NvcError, float]:
+    """The error of one call, within ``seconds``, through ``body`` as the plugin, and how long it took."""
+    plugin(d, "plugin.sh", body)
+    api = client(kubeconfig(server, d, os.path.join(d, "plugin.sh")))
+    start = time.monotonic()
+    try:
+        with pytest.raises(NvcError) as err:
+            api.get_node(NODE, deadline=time.monotonic() + seconds)
+    finally:
+        api.close()
+    return err.value, time.monotonic() - start
+
+
 def gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -140,16 +153,9 @@ def test_a_plugin_that_hangs_ends_at_the_calls_deadline_with_what_it_started(ser
     """It never answers, and a child it started holds its output open: the call ends by its
     deadline with one line, and both are killed (a wait for EOF would wait for the child)."""
     d = str(tmp_path)
-    plugin(d, "plugin.sh", 'sleep 300 &\necho $! > "$(dirname "$0")/child"\nexec sleep 300\n')
-    api = client(kubeconfig(server, d, os.path.join(d, "plugin.sh")))
-    start = time.monotonic()
-    try:
-        with pytest.raises(NvcError) as err:
-            api.get_node(NODE, deadline=time.monotonic() + 1)
-    finally:
-        api.close()
-    assert time.monotonic() - start < 2
-    assert err.value.detail == f"kubeconfig exec plugin {d}/plugin.sh: no answer within the call's deadline"
+    err, took = refused(server, d, 'sleep 300 &\necho $! > "$(dirname "$0")/child"\nexec sleep 300\n', 1)
+    assert took < 2
+    assert err.detail == f"kubeconfig exec plugin {d}/plugin.sh: no answer within the call's deadline"
     child = int((tmp_path / "child").read_text())
     deadline = time.monotonic() + 5
     while not gone(child) and time.monotonic() < deadline:
@@ -169,18 +175,11 @@ def test_a_plugin_that_hangs_ends_at_the_calls_deadline_with_what_it_started(ser
 ])
 def test_a_plugin_that_fails_is_one_line(server, tmp_path, body, line):
     d = str(tmp_path)
-    plugin(d, "plugin.sh", body)
-    api = client(kubeconfig(server, d, os.path.join(d, "plugin.sh")))
-    start = time.monotonic()
-    try:
-        with pytest.raises(NvcError) as err:
-            api.get_node(NODE, deadline=time.monotonic() + 10)
-    finally:
-        api.close()
-    assert time.monotonic() - start < 5
-    assert err.value.category == "kubernetes"
-    assert err.value.detail.startswith(f"kubeconfig exec plugin {d}/plugin.sh: {line}"), err.value.detail
-    assert "\n" not in str(err.value)
+    err, took = refused(server, d, body, 10)
+    assert took < 5
+    assert err.category == "kubernetes"
+    assert err.detail.startswith(f"kubeconfig exec plugin {d}/plugin.sh: {line}"), err.detail
+    assert "\n" not in str(err)
     assert server.requests == []                  # nothing sent without a token
 
 

@@ -21,6 +21,10 @@ import time
 
 from ..errors import NvcError
 
+# What a call says when its deadline, not a try's own timeout, ended it: the same words whatever
+# was left, so a line said once until it changes is said once (kubeapi, execplugin).
+LATE = "no answer within the call's deadline"
+
 _local = threading.local()
 
 
@@ -42,13 +46,12 @@ def left() -> float | None:
 
 
 def _cap(timeout: float | None, error) -> float | None:
-    deadline = getattr(_local, "deadline", None)
-    if deadline is None:
+    seconds = left()
+    if seconds is None:
         return timeout
-    left = deadline - time.monotonic()
-    if left <= 0:
+    if seconds <= 0:
         raise error("the call's deadline has passed")
-    return left if timeout is None else min(timeout, left)
+    return seconds if timeout is None else min(timeout, seconds)
 
 
 def install(client) -> None:

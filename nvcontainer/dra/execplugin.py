@@ -50,12 +50,17 @@ def command(exec_, kubeconfig_dir: str | None) -> list[str]:
     return [cmd, *(exec_.args or [])]
 
 
-def environment(exec_, base: dict[str, str]) -> dict[str, str]:
+def environment(exec_, base) -> dict[str, str]:
+    """``base`` (this process's environment) plus the kubeconfig's ``env`` and what kubectl tells."""
     env = dict(base)
     env.update((v.name, v.value) for v in exec_.env or ())
     env["KUBERNETES_EXEC_INFO"] = json.dumps({"apiVersion": exec_.apiVersion, "kind": "ExecCredential",
                                               "spec": {"interactive": False}})
     return env
+
+
+def failure(name: str, why: str) -> NvcError:
+    return NvcError("kubernetes", f"kubeconfig exec plugin {name}: {why}")
 
 
 def credential(output: bytes, name: str) -> tuple[str, float | None]:
@@ -67,7 +72,7 @@ def credential(output: bytes, name: str) -> tuple[str, float | None]:
     if not isinstance(token, str) or not token or any(c in token for c in "\r\n"):
         why = ("a client certificate, not a token (not supported)" if isinstance(status, dict)
                and status.get("clientCertificateData") else "no status.token")
-        raise NvcError("kubernetes", f"kubeconfig exec plugin {name}: its ExecCredential has {why}")
+        raise failure(name, f"its ExecCredential has {why}")
     expiry = status.get("expirationTimestamp")
     if expiry is None:
         return token, None
@@ -76,20 +81,18 @@ def credential(output: bytes, name: str) -> tuple[str, float | None]:
         if when.tzinfo is None:
             raise ValueError
     except ValueError:
-        raise NvcError("kubernetes", f"kubeconfig exec plugin {name}: status.expirationTimestamp "
-                                     f"{escape(expiry, 60)} is not an RFC 3339 time") from None
+        raise failure(name, f"status.expirationTimestamp {escape(expiry, 60)} is not an RFC 3339 time") from None
     return token, when.timestamp()
 
 
-def run(argv: list[str], env: dict[str, str], seconds: float, name: str, late: str | None = None) -> bytes:
+def run(argv: list[str], env: dict[str, str], seconds: float, name: str, late: str) -> bytes:
     """The plugin's standard output, once it has exited 0 within ``seconds``; else one line
-    (``late``: what it says when the time runs out; "no answer in <seconds> s" by default)."""
-    late = late or f"no answer in {seconds:g} s"
+    (``late``: what it says when the time runs out)."""
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=env, close_fds=True, start_new_session=True)
     except OSError as exc:
-        raise NvcError("kubernetes", f"kubeconfig exec plugin {name}: {escape(exc.strerror or exc)}") from None
+        raise failure(name, escape(exc.strerror or exc)) from None
     end = time.monotonic() + seconds
     out, err, why = bytearray(), bytearray(), None
     try:
@@ -133,7 +136,7 @@ def run(argv: list[str], env: dict[str, str], seconds: float, name: str, late: s
         proc.stdout.close()
         proc.stderr.close()
     if why is not None:
-        raise NvcError("kubernetes", f"kubeconfig exec plugin {name}: {why}")
+        raise failure(name, why)
     return bytes(out)
 
 
@@ -153,9 +156,6 @@ class Credentials:
         self.expiry: float | None = None
         self.lock = threading.Lock()
 
-    def _fail(self, why: str):
-        return NvcError("kubernetes", f"kubeconfig exec plugin {self.name}: {why}")
-
     def current(self) -> str | None:
         """The token kept, while it has not expired."""
         token, expiry = self.token, self.expiry
@@ -164,21 +164,21 @@ class Credentials:
     def fresh(self, refused: str | None) -> str:
         """A token other than ``refused``: one another thread got meanwhile, or the plugin's."""
         if self.exec.apiVersion not in API_VERSIONS:
-            raise self._fail(f"apiVersion {escape(self.exec.apiVersion, 80)} is not one of {', '.join(API_VERSIONS)}")
+            raise failure(self.name, f"apiVersion {escape(self.exec.apiVersion, 80)} is not one of {', '.join(API_VERSIONS)}")
         left = bounded.left()
         if not self.lock.acquire(timeout=-1 if left is None else max(left, 0)):
-            raise self._fail("no answer within the call's deadline")
+            raise failure(self.name, bounded.LATE)
         try:
             token = self.current()
             if token is not None and token != refused:
                 return token
             left = bounded.left()
             if left is not None and left <= 0:
-                raise self._fail("no answer within the call's deadline")
-            seconds, late = TIMEOUT, None
+                raise failure(self.name, bounded.LATE)
+            seconds, late = TIMEOUT, f"no answer in {TIMEOUT:g} s"
             if left is not None and left < TIMEOUT:      # said as the state, not the seconds that were left
-                seconds, late = left, "no answer within the call's deadline"
-            output = run(self.argv, environment(self.exec, dict(self.environ)), seconds, self.name, late)
+                seconds, late = left, bounded.LATE
+            output = run(self.argv, environment(self.exec, self.environ), seconds, self.name, late)
             self.token, self.expiry = credential(output, self.name)
             return self.token
         finally:

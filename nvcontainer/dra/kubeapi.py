@@ -104,9 +104,9 @@ class KubeApi:
         if isinstance(self._generic._client.auth, ExecAuth):   # it waits for the plugin for ever
             from .execplugin import Credentials
 
-            fname = getattr(self._generic.config, "fname", None)
+            config = self._generic.config
             self._generic._client.auth = exec_auth(
-                httpx2, Credentials(self._generic.config.user.exec, str(fname.parent) if fname else None))
+                Credentials(config.user.exec, str(config.fname.parent) if config.fname else None))
         self.server = escape(self._generic.config.cluster.server, 120)
         self.version: str | None = None
 
@@ -285,7 +285,7 @@ class KubeApi:
                 if time.monotonic() < deadline:
                     last = f"no answer in {self.timeout:g} s"
                 elif attempts == 1:
-                    last = "no answer within the call's deadline"
+                    last = bounded.LATE
                 # else: the deadline cut a retry short; the try before it says why the call failed
             except (httpx2.NetworkError, httpx2.RemoteProtocolError, OSError) as exc:
                 last = _why(exc)
@@ -297,10 +297,11 @@ class KubeApi:
             pause = min(pause * 2, BACKOFF_MAX)
 
 
-def exec_auth(httpx2, credentials):
+def exec_auth(credentials):
     """An httpx ``Auth`` giving each request the exec plugin's token (:class:`.execplugin.Credentials`),
-    asking it again once when the API server answers 401. Built here, with the httpx module the
-    caller imported, because httpx is imported on first use in this module and nowhere else."""
+    asking it again once when the API server answers 401. Built here because httpx is imported on
+    first use, and in this module only (the one of ``dra/`` that talks HTTP)."""
+    import httpx2
 
     class ExecCredentialAuth(httpx2.Auth):
         def sync_auth_flow(self, request):
